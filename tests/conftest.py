@@ -1,0 +1,83 @@
+"""Shared fixtures: tiny MMFusion configs and inputs built in code, offline, on CPU."""
+
+import os
+import tempfile
+
+
+# Before transformers is imported: never reach for the hub, and keep remote-code modules out of the user's cache.
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ.setdefault("HF_MODULES_CACHE", tempfile.mkdtemp(prefix="mm_fusion_modules_"))
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from transformers import BertConfig, ViTConfig  # noqa: E402
+
+from mm_fusion import MMFusionConfig  # noqa: E402
+
+
+FUSION_TYPES = ["hierarchical", "cross_attention", "late"]
+
+
+class MMFusionModelTester:
+    """Builds tiny configs (hidden 32, 2 layers, 4 heads, image 30, patch 2, vocab 99) and matching inputs."""
+
+    batch_size = 3
+    seq_length = 7
+    vocab_size = 99
+    image_size = 30
+    num_labels = 5
+
+    def vision_config(self, **kwargs) -> ViTConfig:
+        args = dict(
+            image_size=self.image_size,
+            patch_size=2,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=37,
+            hidden_dropout_prob=0.1,
+            attention_probs_dropout_prob=0.1,
+        )
+        return ViTConfig(**{**args, **kwargs})
+
+    def text_config(self, **kwargs) -> BertConfig:
+        args = dict(
+            vocab_size=self.vocab_size,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=37,
+            max_position_embeddings=64,
+            hidden_dropout_prob=0.1,
+            attention_probs_dropout_prob=0.1,
+        )
+        return BertConfig(**{**args, **kwargs})
+
+    def config(self, fusion_type: str = "hierarchical", **kwargs) -> MMFusionConfig:
+        args = dict(
+            vision_config=self.vision_config(),
+            text_config=self.text_config(),
+            fusion_type=fusion_type,
+            num_fusion_layers=2,
+            projection_dim=16,
+            num_labels=self.num_labels,
+        )
+        return MMFusionConfig(**{**args, **kwargs})
+
+    def inputs(self, batch_size: int | None = None, seed: int = 0) -> dict[str, torch.Tensor]:
+        """Random images and texts of different lengths, right-padded with id 0, as a tokenizer would give."""
+        batch_size = batch_size or self.batch_size
+        g = torch.Generator().manual_seed(seed)
+        input_ids = torch.randint(1, self.vocab_size, (batch_size, self.seq_length), generator=g)
+        lengths = torch.randint(2, self.seq_length + 1, (batch_size,), generator=g)
+        lengths[0] = self.seq_length
+        attention_mask = (torch.arange(self.seq_length)[None, :] < lengths[:, None]).long()
+        input_ids = input_ids * attention_mask
+        pixel_values = torch.randn(batch_size, 3, self.image_size, self.image_size, generator=g)
+        return {"pixel_values": pixel_values, "input_ids": input_ids, "attention_mask": attention_mask}
+
+
+@pytest.fixture
+def tester() -> MMFusionModelTester:
+    torch.manual_seed(0)
+    return MMFusionModelTester()

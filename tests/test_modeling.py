@@ -1,0 +1,307 @@
+"""MMFusion models: shapes, training signal, invariances, save/load, gradient checkpointing, clear errors."""
+
+import os
+
+import pytest
+import torch
+from conftest import FUSION_TYPES
+from transformers import (
+    AutoConfig,
+    AutoModel,
+    AutoModelForPreTraining,
+    AutoModelForVisualQuestionAnswering,
+    BertConfig,
+    CLIPConfig,
+    CLIPVisionConfig,
+)
+
+from mm_fusion import (
+    MMFusionConfig,
+    MMFusionForImageTextClassification,
+    MMFusionForPretraining,
+    MMFusionModel,
+)
+
+
+HEADS = [MMFusionModel, MMFusionForImageTextClassification, MMFusionForPretraining]
+
+
+def _outputs(model, inputs):
+    """The tensors of a model's output that should be deterministic functions of one sample."""
+    with torch.no_grad():
+        out = model(**inputs)
+    if isinstance(model, MMFusionModel):
+        return {"pooler_output": out.pooler_output, "text_pooled": out.text_pooled, "image_pooled": out.image_pooled}
+    if isinstance(model, MMFusionForImageTextClassification):
+        return {"logits": out.logits}
+    return {"image_embeds": out.image_embeds, "text_embeds": out.text_embeds, "itm_logits": out.itm_logits}
+
+
+def _assert_close(a: dict, b: dict, atol: float = 1e-5):
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], atol=atol, rtol=1e-4, msg=lambda m, k=key: f"{k}: {m}")
+
+
+@pytest.mark.parametrize("fusion_type", FUSION_TYPES)
+def test_output_shapes(tester, fusion_type):
+    config = tester.config(fusion_type)
+    B, T = tester.batch_size, tester.seq_length
+    inputs = tester.inputs()
+
+    base = MMFusionModel(config).eval()
+    out = base(**inputs)
+    D = config.fusion_hidden_size if fusion_type != "late" else 32  # towers are 32 wide
+    num_patches = (tester.image_size // 2) ** 2 + 1  # + CLS
+    assert out.text_hidden_state.shape == (B, T, D)
+    assert out.image_hidden_state.shape == (B, num_patches, D)
+    pooled = 3 * config.projection_dim if fusion_type == "late" else 2 * config.fusion_hidden_size
+    assert out.pooler_output.shape == (B, pooled) and base.pooled_dim == pooled
+    assert base.get_image_features(inputs["pixel_values"]).shape == (B, config.projection_dim)
+    assert base.get_text_features(inputs["input_ids"], inputs["attention_mask"]).shape == (B, config.projection_dim)
+
+    clf = MMFusionForImageTextClassification(config).eval()
+    assert clf(**inputs).logits.shape == (B, tester.num_labels)
+
+    pre = MMFusionForPretraining(config).eval()
+    out = pre(**inputs, return_loss=True)
+    assert out.logits_per_image.shape == (B, B) and out.logits_per_text.shape == (B, B)
+    assert out.itm_logits.shape == (B, 2)
+    assert out.image_embeds.shape == (B, config.projection_dim)
+    torch.testing.assert_close(out.image_embeds.norm(dim=-1), torch.ones(B))
+    assert torch.isfinite(out.loss) and torch.isclose(out.loss, out.itc_loss + out.itm_loss)
+
+
+@pytest.mark.parametrize("fusion_type", FUSION_TYPES)
+@pytest.mark.parametrize("head", ["classification", "soft_scores", "pretraining"])
+def test_loss_decreases_when_overfitting_one_batch(tester, fusion_type, head):
+    torch.manual_seed(0)
+    config = tester.config(fusion_type)
+    inputs = tester.inputs(batch_size=4)
+    if head == "pretraining":
+        model = MMFusionForPretraining(config)
+        inputs["return_loss"] = True
+    else:
+        model = MMFusionForImageTextClassification(config)
+        labels = torch.tensor([0, 3, 1, 4])
+        inputs["labels"] = labels if head == "classification" else torch.eye(tester.num_labels)[labels] * 0.9
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    losses = []
+    for _ in range(25):
+        loss = model(**inputs).loss
+        assert torch.isfinite(loss)
+        losses.append(loss.item())
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    assert losses[-1] < 0.5 * losses[0], losses
+
+
+@pytest.mark.parametrize("fusion_type", FUSION_TYPES)
+@pytest.mark.parametrize("head", HEADS)
+def test_padding_invariance(tester, fusion_type, head):
+    """Extra pad tokens after a text change none of its outputs."""
+    model = head(tester.config(fusion_type)).eval()
+    inputs = tester.inputs()
+    padded = dict(inputs)
+    extra = 5
+    padded["input_ids"] = torch.cat([inputs["input_ids"], torch.zeros(tester.batch_size, extra, dtype=torch.long)], 1)
+    padded["attention_mask"] = torch.cat(
+        [inputs["attention_mask"], torch.zeros(tester.batch_size, extra, dtype=torch.long)], 1
+    )
+    _assert_close(_outputs(model, inputs), _outputs(model, padded))
+
+
+@pytest.mark.parametrize("fusion_type", FUSION_TYPES)
+@pytest.mark.parametrize("head", HEADS)
+def test_batch_invariance(tester, fusion_type, head):
+    """In eval mode a sample's outputs do not depend on the other samples in its batch."""
+    model = head(tester.config(fusion_type)).eval()
+    inputs = tester.inputs(batch_size=4)
+    batched = _outputs(model, inputs)
+    for i in range(4):
+        single = {k: v[i : i + 1] for k, v in inputs.items()}
+        # Trim the single sample's padding too: its outputs must not depend on the batch's padded length either.
+        length = int(single["attention_mask"].sum())
+        single["input_ids"], single["attention_mask"] = (
+            single["input_ids"][:, :length],
+            single["attention_mask"][:, :length],
+        )
+        alone = _outputs(model, single)
+        if head is MMFusionForPretraining:
+            alone.pop("itm_logits"), batched.pop("itm_logits", None)  # matching scores of the pair itself, below
+        _assert_close({k: v[i : i + 1] for k, v in batched.items()}, alone)
+    if head is MMFusionForPretraining:
+        # The positive-pair matching score is a function of the pair only.
+        with torch.no_grad():
+            itm = model(**inputs).itm_logits
+            itm_alone = model(**{k: v[1:2] for k, v in inputs.items()}).itm_logits
+        torch.testing.assert_close(itm[1:2], itm_alone, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("fusion_type", FUSION_TYPES)
+def test_shared_images_match_repeated_images(tester, fusion_type):
+    """`image_index` lets questions share one encoded image; results equal passing the image once per question."""
+    model = MMFusionForImageTextClassification(tester.config(fusion_type)).eval()
+    inputs = tester.inputs(batch_size=4)
+    images = inputs["pixel_values"][:2]
+    image_index = torch.tensor([0, 1, 1, 0])
+    with torch.no_grad():
+        shared = model(**{**inputs, "pixel_values": images}, image_index=image_index).logits
+        repeated = model(**{**inputs, "pixel_values": images[image_index]}).logits
+    torch.testing.assert_close(shared, repeated, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("fusion_type", FUSION_TYPES)
+@pytest.mark.parametrize(
+    "head, auto_class",
+    [
+        (MMFusionModel, AutoModel),
+        (MMFusionForImageTextClassification, AutoModelForVisualQuestionAnswering),
+        (MMFusionForPretraining, AutoModelForPreTraining),
+    ],
+)
+def test_save_load_equality(tester, tmp_path, fusion_type, head, auto_class):
+    model = head(tester.config(fusion_type)).eval()
+    model.save_pretrained(tmp_path)
+    files = os.listdir(tmp_path)
+    assert "model.safetensors" in files
+    assert not [f for f in files if f.endswith((".bin", ".pt", ".pth", ".pkl"))], files
+    # The code travels with the weights, for trust_remote_code loading.
+    assert {"configuration_mm_fusion.py", "modeling_mm_fusion.py"} <= set(files)
+
+    reloaded = auto_class.from_pretrained(tmp_path).eval()
+    assert type(reloaded) is head
+    before = model.state_dict()
+    after = reloaded.state_dict()
+    assert before.keys() == after.keys()
+    for key in before:
+        assert torch.equal(before[key], after[key]), key
+    inputs = tester.inputs()
+    _assert_close(_outputs(model, inputs), _outputs(reloaded, inputs), atol=0)
+
+
+@pytest.mark.parametrize("fusion_type", FUSION_TYPES)
+@pytest.mark.parametrize("head", [MMFusionForImageTextClassification, MMFusionForPretraining])
+def test_gradient_checkpointing_gives_same_gradients(tester, fusion_type, head):
+    config = tester.config(fusion_type)  # dropout stays on: checkpointing must replay the same masks
+    torch.manual_seed(0)
+    model = head(config).train()
+    inputs = tester.inputs(batch_size=4)
+    if head is MMFusionForImageTextClassification:
+        inputs["labels"] = torch.tensor([0, 1, 2, 3])
+    else:
+        inputs["return_loss"] = True
+
+    def grads():
+        model.zero_grad()
+        torch.manual_seed(1)
+        model(**inputs).loss.backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    reference = grads()
+    calls = []
+    # A checkpointed layer's children run again in backward (the layer's own forward hooks fire once).
+    layer = model.mm_fusion.encoder.layers[0] if fusion_type != "late" else model.mm_fusion.text_model.encoder.layer[0]
+    hook = next(layer.children()).register_forward_hook(lambda *_: calls.append(1))
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    checkpointed = grads()
+    hook.remove()
+    assert len(calls) == 2, "the layer should run again in backward when checkpointed"
+    assert reference.keys() == checkpointed.keys()
+    for name in reference:
+        torch.testing.assert_close(reference[name], checkpointed[name], atol=1e-6, rtol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("fusion_type", FUSION_TYPES)
+def test_config_round_trip_through_auto_config(tester, tmp_path, fusion_type):
+    config = tester.config(fusion_type, fusion_dropout=0.2, pooling_mode="cls")
+    config.save_pretrained(tmp_path)
+    loaded = AutoConfig.from_pretrained(tmp_path)
+    assert type(loaded) is MMFusionConfig
+    assert type(loaded.vision_config) is type(config.vision_config)
+    assert type(loaded.text_config) is type(config.text_config)
+    loaded_dict, original = loaded.to_dict(), config.to_dict()
+    assert loaded_dict.pop("_name_or_path") == str(tmp_path)
+    original.pop("_name_or_path")
+    assert loaded_dict == original
+    assert loaded.fusion_dropout == 0.2 and loaded.pooling_mode == "cls" and loaded.num_labels == tester.num_labels
+    assert loaded.vision_bridge_layers == config.vision_bridge_layers
+
+
+def test_default_config_builds_small_vit_and_bert():
+    config = MMFusionConfig()
+    assert config.vision_config.model_type == "vit" and config.text_config.model_type == "bert"
+    assert config.fusion_type == "hierarchical" and config.vision_bridge_layers == [5, 6]
+
+
+def test_towers_from_other_families(tester):
+    """Any transformers encoder config works as a tower, e.g. CLIP's vision tower with a RoBERTa text tower."""
+    vision = CLIPVisionConfig(
+        image_size=30, patch_size=3, hidden_size=32, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4
+    )
+    text = AutoConfig.for_model("roberta", vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4)
+    model = MMFusionForImageTextClassification(
+        MMFusionConfig(vision_config=vision, text_config=text, num_labels=3, fusion_hidden_size=48, projection_dim=8)
+    ).eval()
+    inputs = tester.inputs()
+    inputs["input_ids"] = inputs["input_ids"].clamp(min=2)
+    assert model(**inputs).logits.shape == (tester.batch_size, 3)
+
+
+# Bad input gets a clear error -------------------------------------------------------------------------------------
+
+
+def test_error_batch_size_mismatch_names_both_sizes(tester):
+    model = MMFusionModel(tester.config()).eval()
+    inputs = tester.inputs(batch_size=3)
+    inputs["pixel_values"] = inputs["pixel_values"][:2]
+    with pytest.raises(ValueError, match=r"pixel_values has 2 images but input_ids has 3 texts"):
+        model(**inputs)
+
+
+@pytest.mark.parametrize("missing", ["pixel_values", "input_ids"])
+@pytest.mark.parametrize("head", HEADS)
+def test_error_missing_input(tester, missing, head):
+    model = head(tester.config()).eval()
+    inputs = tester.inputs()
+    inputs.pop(missing)
+    with pytest.raises(ValueError, match=f"missing: {missing}"):
+        model(**inputs)
+
+
+def test_error_unknown_fusion_type_lists_valid_ones(tester):
+    with pytest.raises(ValueError, match="'concat'.*hierarchical, cross_attention, late"):
+        tester.config("concat")
+
+
+def test_error_vision_config_that_is_not_a_vision_encoder(tester):
+    with pytest.raises(ValueError, match="`vision_config` must be a vision encoder.*BertConfig"):
+        MMFusionConfig(vision_config=BertConfig(), text_config=tester.text_config())
+    with pytest.raises(ValueError, match="`vision_config`.*CLIPConfig.*vision/text sub-config"):
+        MMFusionConfig(vision_config=CLIPConfig(), text_config=tester.text_config())
+    with pytest.raises(ValueError, match="`text_config` must be a text encoder.*ViTConfig"):
+        MMFusionConfig(vision_config=tester.vision_config(), text_config=tester.vision_config())
+
+
+def test_error_bridge_layers(tester):
+    with pytest.raises(ValueError, match="`text_bridge_layers` has 1 entries but num_fusion_layers is 2"):
+        tester.config(text_bridge_layers=[1])
+    with pytest.raises(ValueError, match=r"`vision_bridge_layers` \[1, 7\] must lie in \[0, 2\]"):
+        tester.config(vision_bridge_layers=[1, 7])
+
+
+def test_error_labels_out_of_range(tester):
+    model = MMFusionForImageTextClassification(tester.config()).eval()
+    inputs = tester.inputs()
+    with pytest.raises(ValueError, match=r"class indices in \[0, 5\).*got \[7\]"):
+        model(**inputs, labels=torch.tensor([0, 7, 1]))
+    with pytest.raises(ValueError, match=r"got \[-3\]"):
+        model(**inputs, labels=torch.tensor([0, -3, 1]))
+    with pytest.raises(ValueError, match=r"shape \(batch_size, num_labels\) = \(3, 5\); got \(3, 4\)"):
+        model(**inputs, labels=torch.zeros(3, 4))
+    with pytest.raises(ValueError, match=r"in \[0, 1\]"):
+        model(**inputs, labels=torch.full((3, 5), 2.0))
+    # -100 is the ignore index and is accepted.
+    assert torch.isfinite(model(**inputs, labels=torch.tensor([0, -100, 1])).loss)
