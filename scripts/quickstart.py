@@ -36,8 +36,9 @@ class QuickstartArguments:
 
 def load_pairs(split: str, n: int) -> tuple[list[Image.Image], list[str], list[str]]:
     """The first `n` (image, question, answer) triples of an easy-VQA split, images decoded as RGB."""
-    questions, answers, image_ids = easy_vqa.get_train_questions() if split == "train" else easy_vqa.get_test_questions()
-    paths = easy_vqa.get_train_image_paths() if split == "train" else easy_vqa.get_test_image_paths()
+    train = split == "train"
+    questions, answers, image_ids = easy_vqa.get_train_questions() if train else easy_vqa.get_test_questions()
+    paths = easy_vqa.get_train_image_paths() if train else easy_vqa.get_test_image_paths()
     images = [Image.open(paths[i]).convert("RGB") for i in image_ids[:n]]
     return images, list(questions[:n]), list(answers[:n])
 
@@ -52,7 +53,12 @@ def main(argv: list[str] | None = None) -> dict:
     processor = MMFusionProcessor(ViTImageProcessor(size={"height": 64, "width": 64}), tokenizer)
     config = MMFusionConfig(
         vision_config=ViTConfig(
-            image_size=64, patch_size=8, hidden_size=128, num_hidden_layers=4, num_attention_heads=4, intermediate_size=512
+            image_size=64,
+            patch_size=8,
+            hidden_size=128,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            intermediate_size=512,
         ),
         text_config=BertConfig(
             vocab_size=len(tokenizer),

@@ -14,7 +14,8 @@ def _load_script(name: str):
 
 def test_quickstart_trains_saves_and_reloads(tmp_path):
     quickstart = _load_script("quickstart")
-    result = quickstart.main(["--output_dir", str(tmp_path), "--num_samples", "16", "--steps", "3", "--batch_size", "4"])
+    argv = ["--output_dir", str(tmp_path), "--num_samples", "16", "--steps", "3", "--batch_size", "4"]
+    result = quickstart.main(argv)
     assert 0.0 <= result["fit_accuracy"] <= 1.0
     saved = {p.name for p in tmp_path.iterdir()}
     assert {"model.safetensors", "config.json", "modeling_mm_fusion.py", "processor_config.json"} <= saved
