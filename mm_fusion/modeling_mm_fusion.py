@@ -518,9 +518,7 @@ class MMFusionModel(MMFusionPreTrainedModel):
         """Image embeddings of shape `(num_images, projection_dim)` (pooled tower output, projected if built)."""
         if pixel_values is None:
             raise ValueError("get_image_features needs `pixel_values`.")
-        hidden = _sequence(self.vision_model(pixel_values=pixel_values, return_dict=True).last_hidden_state)
-        pooled = pool(hidden, None, self.config.pooling_mode)
-        return self.visual_projection(pooled) if self.visual_projection is not None else pooled
+        return self.embed_image(self.vision_model(pixel_values=pixel_values, return_dict=True))
 
     def get_text_features(
         self,
@@ -532,10 +530,17 @@ class MMFusionModel(MMFusionPreTrainedModel):
         if input_ids is None:
             raise ValueError("get_text_features needs `input_ids`.")
         text_kwargs = {"token_type_ids": token_type_ids} if token_type_ids is not None else {}
-        hidden = self.text_model(
-            input_ids=input_ids, attention_mask=attention_mask, return_dict=True, **text_kwargs
-        ).last_hidden_state
-        pooled = pool(hidden, attention_mask, self.config.pooling_mode)
+        text_out = self.text_model(input_ids=input_ids, attention_mask=attention_mask, return_dict=True, **text_kwargs)
+        return self.embed_text(text_out, attention_mask)
+
+    def embed_image(self, vision_out: ModelOutput) -> torch.Tensor:
+        """Pool a vision tower output and project it (when the projections are built)."""
+        pooled = pool(_sequence(vision_out.last_hidden_state), None, self.config.pooling_mode)
+        return self.visual_projection(pooled) if self.visual_projection is not None else pooled
+
+    def embed_text(self, text_out: ModelOutput, attention_mask: torch.Tensor | None) -> torch.Tensor:
+        """Pool a text tower output over its real tokens and project it (when the projections are built)."""
+        pooled = pool(text_out.last_hidden_state, attention_mask, self.config.pooling_mode)
         return self.text_projection(pooled) if self.text_projection is not None else pooled
 
 
@@ -693,11 +698,8 @@ class MMFusionForPretraining(MMFusionPreTrainedModel):
         vision_out, text_out, image_features, text_features = base.encode_towers(
             pixel_values, input_ids, attention_mask, token_type_ids
         )
-        mode = self.config.pooling_mode
-        image_embeds = F.normalize(
-            base.visual_projection(pool(_sequence(vision_out.last_hidden_state), None, mode)), dim=-1
-        )
-        text_embeds = F.normalize(base.text_projection(pool(text_out.last_hidden_state, attention_mask, mode)), dim=-1)
+        image_embeds = F.normalize(base.embed_image(vision_out), dim=-1)
+        text_embeds = F.normalize(base.embed_text(text_out, attention_mask), dim=-1)
 
         logit_scale = self.logit_scale.clamp(max=math.log(self.config.max_logit_scale)).exp()
         all_image_embeds, offset = _gather_with_grad(image_embeds)
