@@ -1,5 +1,6 @@
 """PyTorch MMFusion: a vision tower and a text tower fused by cross-attention bridges, co-attention or late fusion."""
 
+import copy
 import math
 from dataclasses import dataclass
 
@@ -344,7 +345,10 @@ class MMFusionPreTrainedModel(PreTrainedModel):
                     f"The {role} tower must be a path / hub id or a PreTrainedModel, got {type(source).__name__}."
                 )
         vision, text = towers
-        config = MMFusionConfig(vision_config=vision.config, text_config=text.config, **fusion_kwargs)
+        # Copies, so that the composed model and the source towers never share a mutable config.
+        config = MMFusionConfig(
+            vision_config=copy.deepcopy(vision.config), text_config=copy.deepcopy(text.config), **fusion_kwargs
+        )
         model = cls(config)
         base = model.base_model
         for role, target, source in (("vision", base.vision_model, vision), ("text", base.text_model, text)):

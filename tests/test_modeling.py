@@ -1,5 +1,6 @@
 """MMFusion models: shapes, training signal, invariances, save/load, gradient checkpointing, clear errors."""
 
+import json
 import os
 
 import pytest
@@ -170,6 +171,14 @@ def test_save_load_equality(tester, tmp_path, fusion_type, head, auto_class):
     assert not [f for f in files if f.endswith((".bin", ".pt", ".pth", ".pkl"))], files
     # The code travels with the weights, for trust_remote_code loading.
     assert {"configuration_mm_fusion.py", "modeling_mm_fusion.py"} <= set(files)
+    # Whichever head was saved, every Auto class can load the directory with trust_remote_code.
+    auto_map = json.loads((tmp_path / "config.json").read_text())["auto_map"]
+    assert auto_map == {
+        "AutoConfig": "configuration_mm_fusion.MMFusionConfig",
+        "AutoModel": "modeling_mm_fusion.MMFusionModel",
+        "AutoModelForPreTraining": "modeling_mm_fusion.MMFusionForPretraining",
+        "AutoModelForVisualQuestionAnswering": "modeling_mm_fusion.MMFusionForImageTextClassification",
+    }
 
     reloaded = auto_class.from_pretrained(tmp_path).eval()
     assert type(reloaded) is head
