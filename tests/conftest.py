@@ -1,12 +1,16 @@
 """Shared fixtures: tiny MMFusion configs and inputs built in code, offline, on CPU."""
 
+import atexit
 import os
+import shutil
 import tempfile
 
 
 # Before transformers is imported: never reach for the hub, and keep remote-code modules out of the user's cache.
 os.environ["HF_HUB_OFFLINE"] = "1"
-os.environ.setdefault("HF_MODULES_CACHE", tempfile.mkdtemp(prefix="mm_fusion_modules_"))
+if "HF_MODULES_CACHE" not in os.environ:
+    os.environ["HF_MODULES_CACHE"] = tempfile.mkdtemp(prefix="mm_fusion_modules_")
+    atexit.register(shutil.rmtree, os.environ["HF_MODULES_CACHE"], ignore_errors=True)
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
