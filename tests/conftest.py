@@ -6,11 +6,14 @@ import shutil
 import tempfile
 
 
-# Before transformers is imported: never reach for the hub, and keep remote-code modules out of the user's cache.
+# Before transformers / datasets are imported: never reach for the hub, and keep remote-code modules and dataset
+# caches out of the user's cache.
 os.environ["HF_HUB_OFFLINE"] = "1"
-if "HF_MODULES_CACHE" not in os.environ:
-    os.environ["HF_MODULES_CACHE"] = tempfile.mkdtemp(prefix="mm_fusion_modules_")
-    atexit.register(shutil.rmtree, os.environ["HF_MODULES_CACHE"], ignore_errors=True)
+os.environ["HF_DATASETS_OFFLINE"] = "1"
+for variable in ("HF_MODULES_CACHE", "HF_DATASETS_CACHE"):
+    if variable not in os.environ:
+        os.environ[variable] = tempfile.mkdtemp(prefix=f"mm_fusion_{variable.lower()}_")
+        atexit.register(shutil.rmtree, os.environ[variable], ignore_errors=True)
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -1,0 +1,73 @@
+"""Image-text pair sources as `datasets` objects: the bundled easy-VQA, local files, or an in-memory dataset."""
+
+import os
+from collections.abc import Sequence
+
+from datasets import ClassLabel, Dataset, DatasetDict, Features, Value, load_dataset
+
+
+def load_easy_vqa(splits: Sequence[str] = ("train", "test")) -> DatasetDict:
+    """
+    The easy-VQA dataset shipped in the `easy-vqa` PyPI package (offline; 4,000 train / 1,000 test 64x64 images,
+    38,575 / 9,673 questions, 13 answers) as a `DatasetDict` with one row per question.
+
+    Columns: `id` (unique, e.g. `"train-17"`), `image` (absolute path of the PNG), `image_id` (questions about the same
+    picture share it), `question`, and `answer` (a `ClassLabel` over the 13 answers).
+    """
+    import easy_vqa
+
+    readers = {
+        "train": (easy_vqa.get_train_questions, easy_vqa.get_train_image_paths),
+        "test": (easy_vqa.get_test_questions, easy_vqa.get_test_image_paths),
+    }
+    unknown = [s for s in splits if s not in readers]
+    if unknown:
+        raise ValueError(f"easy-VQA has splits {list(readers)}; got {unknown}.")
+    answer_names = easy_vqa.get_answers()
+    features = Features(
+        {
+            "id": Value("string"),
+            "image": Value("string"),
+            "image_id": Value("int64"),
+            "question": Value("string"),
+            "answer": ClassLabel(names=answer_names),
+        }
+    )
+    result = {}
+    for split in splits:
+        read_questions, read_paths = readers[split]
+        questions, answers, image_ids = read_questions()
+        paths = read_paths()
+        result[split] = Dataset.from_dict(
+            {
+                "id": [f"{split}-{i}" for i in range(len(questions))],
+                "image": [paths[i] for i in image_ids],
+                "image_id": list(image_ids),
+                "question": list(questions),
+                "answer": [answer_names.index(a) for a in answers],
+            },
+            features=features,
+        )
+    return DatasetDict(result)
+
+
+def load_pairs(source: str | os.PathLike | Dataset, split: str = "train", **load_kwargs) -> Dataset:
+    """
+    Image-text pairs from a local json / jsonl / csv file (an image-path column relative to a data root, a text
+    column), an `imagefolder` directory with `metadata.jsonl`, a `datasets.Dataset` (e.g. with an `Image` column),
+    or, for users with the hub, a dataset name. Column names are chosen later, in `prepare_dataset`.
+    """
+    if isinstance(source, Dataset):
+        return source
+    path = os.fspath(source)
+    if os.path.isfile(path):
+        extension = path.rsplit(".", 1)[-1].lower()
+        builder = {"jsonl": "json", "json": "json", "csv": "csv"}.get(extension)
+        if builder is None:
+            raise ValueError(f"Cannot read pairs from {path!r}: expected a .json, .jsonl or .csv file.")
+        return load_dataset(builder, data_files={split: path}, split=split, **load_kwargs)
+    if os.path.isdir(path):
+        if not os.path.isfile(os.path.join(path, "metadata.jsonl")):
+            raise ValueError(f"{path!r} is a directory without metadata.jsonl; an imagefolder of pairs needs one.")
+        return load_dataset("imagefolder", data_dir=path, split=split, **load_kwargs)
+    return load_dataset(path, split=split, **load_kwargs)

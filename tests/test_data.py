@@ -1,0 +1,206 @@
+"""Data pipeline: sources, validation against a planted corpus of bad files, alignment of what is kept."""
+
+import io
+import json
+import os
+
+import numpy as np
+import pytest
+from datasets import Array3D, Dataset, Features, Value
+from datasets import Image as ImageFeature
+from PIL import Image
+
+from mm_fusion import train_tokenizer
+from mm_fusion.data import load_easy_vqa, load_image, load_pairs, prepare_dataset
+
+
+SIZE = 16
+
+
+def _png_bytes(image: Image.Image, fmt: str = "PNG") -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, fmt)
+    return buffer.getvalue()
+
+
+@pytest.fixture
+def corpus(tmp_path):
+    """A data root with one file of every kind the validator must accept or refuse, and a jsonl of pairs."""
+    root = tmp_path / "data"
+    root.mkdir()
+    rng = np.random.default_rng(0)
+    noise = Image.fromarray(rng.integers(0, 256, (24, 32, 3), dtype=np.uint8))
+    rgba = Image.new("RGBA", (20, 20), (255, 0, 0, 255))
+    rgba.putpixel((0, 0), (0, 0, 0, 0))  # fully transparent: must come out white
+    palette = Image.new("P", (20, 20), 1)
+    palette.putpalette([0, 0, 0, 0, 255, 0] + [0] * 762)
+    palette.info["transparency"] = 0
+    good_files = {
+        "rgb.png": _png_bytes(noise),
+        "rgba.png": _png_bytes(rgba),
+        "la.png": _png_bytes(Image.new("LA", (20, 20), (128, 255))),
+        "palette.png": _png_bytes(palette),
+        "cmyk.jpg": _png_bytes(Image.new("CMYK", (20, 20), (0, 255, 255, 0)), "JPEG"),
+        "i16.png": _png_bytes(Image.fromarray(np.full((20, 20), 65535, dtype=np.uint16))),
+        "gray.png": _png_bytes(Image.new("L", (20, 20), 77)),
+        "sub/nested.png": _png_bytes(noise),
+    }
+    full = _png_bytes(noise)
+    bad_files = {
+        "truncated.png": full[: len(full) // 2],
+        "not_an_image.png": b"this is a text file, not a picture",
+        "empty.png": b"",
+        "huge.png": _png_bytes(Image.new("RGB", (120, 100))),  # over the 10,000-pixel limit set below
+    }
+    for name, data in {**good_files, **bad_files}.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_bytes(data)
+    (tmp_path / "outside.png").write_bytes(full)
+    os.symlink(tmp_path / "outside.png", root / "link_outside.png")
+
+    rows = [{"id": f"ok-{name}", "image": name, "text": f"question about {name}", "label": i % 3}
+            for i, name in enumerate(good_files)]  # fmt: skip
+    expected_bad = {
+        "bad-truncated": ("truncated.png", "truncated"),
+        "bad-notimage": ("not_an_image.png", "not_an_image"),
+        "bad-empty": ("empty.png", "empty_file"),
+        "bad-huge": ("huge.png", "too_large"),
+        "bad-missing": ("nowhere.png", "missing_image"),
+        "bad-escape": ("../outside.png", "path_outside_root"),
+        "bad-symlink": ("link_outside.png", "path_outside_root"),
+    }
+    rows += [{"id": i, "image": f, "text": "a question", "label": 0} for i, (f, _) in expected_bad.items()]
+    rows += [
+        {"id": "bad-empty-text", "image": "rgb.png", "text": "   ", "label": 0},
+        {"id": "bad-no-text", "image": "rgb.png", "text": None, "label": 0},
+        {"id": "bad-no-label", "image": "rgb.png", "text": "a question", "label": None},
+        {"id": "dup", "image": "rgb.png", "text": "first of two rows sharing an id", "label": 1},
+        {"id": "dup", "image": "gray.png", "text": "second of two rows sharing an id", "label": 2},
+    ]
+    expected_bad.update(
+        {
+            "bad-empty-text": ("rgb.png", "bad_text"),
+            "bad-no-text": ("rgb.png", "bad_text"),
+            "bad-no-label": ("rgb.png", "bad_label"),
+        }
+    )
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tokenizer = train_tokenizer([r["text"] for r in rows if isinstance(r["text"], str)], vocab_size=200)
+    return {"root": str(root), "pairs": pairs, "rows": rows, "bad": expected_bad, "tokenizer": tokenizer}
+
+
+def _prepare(corpus, **kwargs):
+    dataset = load_pairs(corpus["pairs"])
+    args = dict(
+        image_column="image",
+        text_column="text",
+        id_column="id",
+        label_column="label",
+        image_size=SIZE,
+        data_root=corpus["root"],
+        max_pixels=10_000,
+    )
+    return prepare_dataset(dataset, corpus["tokenizer"], **{**args, **kwargs})
+
+
+def test_planted_bad_files_are_quarantined_with_reasons(corpus, tmp_path):
+    report = tmp_path / "quarantine.jsonl"
+    clean, quarantine = _prepare(corpus, quarantine_path=report)
+
+    reasons = {q["id"]: q["reason"].split(":", 1)[0] for q in quarantine}
+    expected = {i: reason for i, (_, reason) in corpus["bad"].items()}
+    expected["dup"] = "duplicate_id"
+    assert {k: v for k, v in reasons.items() if k != "dup"} == {k: v for k, v in expected.items() if k != "dup"}
+    assert [q["id"] for q in quarantine].count("dup") == 2  # both rows sharing an id are left out
+    assert reasons["dup"] == "duplicate_id"
+    sources = {q["id"]: q["source"] for q in quarantine}
+    assert sources["bad-truncated"] == "truncated.png" and sources["bad-escape"] == "../outside.png"
+
+    on_disk = [json.loads(line) for line in report.read_text().splitlines()]
+    assert on_disk == quarantine
+    assert all(set(q) == {"id", "source", "reason"} for q in on_disk)
+
+    good_ids = [r["id"] for r in corpus["rows"] if r["id"].startswith("ok-")]
+    assert clean["id"] == good_ids  # every good row kept, in order
+    assert len(clean) + len(quarantine) == len(corpus["rows"])
+
+
+def test_kept_rows_stay_aligned(corpus):
+    """After bad rows are left out, each kept row's pixels, ids and label still come from the same input row."""
+    clean, _ = _prepare(corpus)
+    tokenizer = corpus["tokenizer"]
+    rows = {r["id"]: r for r in corpus["rows"]}
+    # Stored as uint8 in Arrow (datasets' numpy/torch formatters upcast integers to int64 when reading).
+    assert clean.features["pixel_values"] == Array3D(shape=(3, SIZE, SIZE), dtype="uint8")
+    assert "uint8" in str(clean.data.column("pixel_values").type.storage_type)
+    clean = clean.with_format("numpy")
+    for example in clean:
+        row = rows[example["id"]]
+        image = load_image(row["image"], corpus["root"]).resize((SIZE, SIZE), Image.BILINEAR)
+        assert np.array_equal(example["pixel_values"], np.asarray(image).transpose(2, 0, 1))
+        assert example["input_ids"].tolist() == tokenizer(row["text"]).input_ids  # unpadded
+        assert example["length"] == len(example["input_ids"])
+        assert example["labels"] == row["label"]
+
+
+def test_odd_modes_become_rgb(corpus):
+    root = corpus["root"]
+    assert load_image("rgba.png", root).getpixel((0, 0)) == (255, 255, 255)  # transparent -> white
+    assert load_image("rgba.png", root).getpixel((5, 5)) == (255, 0, 0)
+    assert load_image("palette.png", root).getpixel((0, 0)) == (0, 255, 0)
+    assert load_image("i16.png", root).getpixel((0, 0)) == (255, 255, 255)  # 16-bit full scale -> 255, not clipped
+    assert load_image("gray.png", root).getpixel((3, 3)) == (77, 77, 77)
+    for name in ("la.png", "cmyk.jpg", "rgb.png"):
+        assert load_image(name, root).mode == "RGB"
+
+
+def test_on_bad_sample_error_raises_with_counts(corpus):
+    with pytest.raises(ValueError, match=r"12 of 20 rows are unusable \(.*truncated: 1.*\)"):
+        _prepare(corpus, on_bad_sample="error")
+    with pytest.raises(ValueError, match="on_bad_sample must be one of skip, error"):
+        _prepare(corpus, on_bad_sample="ignore")
+
+
+def test_unknown_column_lists_available_ones(corpus):
+    with pytest.raises(ValueError, match=r"text_column='caption' is not a column.*\['id', 'image', 'text', 'label'\]"):
+        _prepare(corpus, text_column="caption")
+
+
+def test_in_memory_image_column_with_a_corrupt_image(corpus):
+    """An `Image` column is read undecoded, so a corrupt entry reaches the quarantine instead of crashing."""
+    good = Image.new("RGB", (30, 30), (1, 2, 3))
+    dataset = Dataset.from_dict(
+        {
+            "image": [{"bytes": _png_bytes(good), "path": None}, {"bytes": b"garbage", "path": None}],
+            "text": ["a", "b"],
+        },
+        features=Features({"image": ImageFeature(), "text": Value("string")}),
+    )
+    clean, quarantine = prepare_dataset(dataset, corpus["tokenizer"], image_size=SIZE)
+    assert clean["id"] == ["0"] and [q["id"] for q in quarantine] == ["1"]
+    assert quarantine[0]["reason"].startswith("not_an_image")
+
+
+def test_imagefolder_with_metadata(tmp_path, corpus):
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    for i in range(3):
+        Image.new("RGB", (20, 20), (i, i, i)).save(folder / f"{i}.png")
+    (folder / "metadata.jsonl").write_text(
+        "".join(json.dumps({"file_name": f"{i}.png", "text": f"img {i}"}) + "\n" for i in range(3))
+    )
+    clean, quarantine = prepare_dataset(load_pairs(folder), corpus["tokenizer"], image_size=SIZE)
+    assert len(clean) == 3 and not quarantine
+    assert clean.with_format("numpy")[2]["pixel_values"].max() == 2
+
+
+def test_easy_vqa_source():
+    data = load_easy_vqa()
+    assert (len(data["train"]), len(data["test"])) == (38_575, 9_673)
+    assert len(set(data["train"]["image_id"])) == 4_000 and len(set(data["test"]["image_id"])) == 1_000
+    answers = data["train"].features["answer"]
+    assert answers.num_classes == 13 and "yes" in answers.names
+    assert len(set(data["train"]["id"])) == len(data["train"])
+    row = data["train"][0]
+    assert os.path.isfile(row["image"]) and row["image"].endswith(f"{row['image_id']}.png")
