@@ -1,5 +1,6 @@
 """Train a small WordPiece tokenizer from a corpus, for text towers trained from scratch."""
 
+from collections import Counter
 from collections.abc import Iterable
 
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
@@ -49,13 +50,21 @@ def train_tokenizer(
     ```
     """
     special = list(SPECIAL_TOKENS.values())
-    tokenizer = Tokenizer(models.WordPiece(unk_token=SPECIAL_TOKENS["unk_token"]))
-    tokenizer.normalizer = normalizers.BertNormalizer(lowercase=lowercase, strip_accents=lowercase)
-    tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    normalizer = normalizers.BertNormalizer(lowercase=lowercase, strip_accents=lowercase)
+    pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    texts = [t for t in texts if isinstance(t, str)]
+    vocab = _whole_word_vocab(texts, normalizer, pre_tokenizer, special, vocab_size, min_frequency)
+    if vocab is not None:
+        tokenizer = Tokenizer(models.WordPiece(vocab, unk_token=SPECIAL_TOKENS["unk_token"]))
+    else:
+        # Sub-word merges are needed. The trainer breaks ties between equally frequent merges differently from run to
+        # run, so save the tokenizer with the model rather than retraining it.
+        tokenizer = Tokenizer(models.WordPiece(unk_token=SPECIAL_TOKENS["unk_token"]))
+        trainer = trainers.WordPieceTrainer(vocab_size=vocab_size, min_frequency=min_frequency, special_tokens=special)
+        tokenizer.normalizer, tokenizer.pre_tokenizer = normalizer, pre_tokenizer
+        tokenizer.train_from_iterator(texts, trainer=trainer)
+    tokenizer.normalizer, tokenizer.pre_tokenizer = normalizer, pre_tokenizer
     tokenizer.decoder = decoders.WordPiece()
-    trainer = trainers.WordPieceTrainer(vocab_size=vocab_size, min_frequency=min_frequency, special_tokens=special)
-    texts = (t for t in texts if isinstance(t, str))
-    tokenizer.train_from_iterator(texts, trainer=trainer)
     cls_id, sep_id = tokenizer.token_to_id("[CLS]"), tokenizer.token_to_id("[SEP]")
     tokenizer.post_processor = processors.TemplateProcessing(
         single="[CLS] $A [SEP]",
@@ -63,3 +72,18 @@ def train_tokenizer(
         special_tokens=[("[CLS]", cls_id), ("[SEP]", sep_id)],
     )
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, model_max_length=model_max_length, **SPECIAL_TOKENS)
+
+
+def _whole_word_vocab(texts, normalizer, pre_tokenizer, special, vocab_size, min_frequency) -> dict[str, int] | None:
+    """
+    When every distinct word of the corpus (plus the characters, for unseen words) fits in `vocab_size`, a
+    deterministic vocabulary of whole words, ordered by frequency then alphabetically; otherwise None.
+    """
+    counts = Counter()
+    for text in texts:
+        counts.update(word for word, _ in pre_tokenizer.pre_tokenize_str(normalizer.normalize_str(text)))
+    words = sorted((w for w, c in counts.items() if c >= min_frequency), key=lambda w: (-counts[w], w))
+    chars = sorted({ch for word in words for ch in word})
+    pieces = [*chars, *(f"##{ch}" for ch in chars)]
+    tokens = list(dict.fromkeys([*special, *pieces, *words]))
+    return {token: i for i, token in enumerate(tokens)} if len(tokens) <= vocab_size else None

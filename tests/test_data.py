@@ -204,3 +204,17 @@ def test_easy_vqa_source():
     assert len(set(data["train"]["id"])) == len(data["train"])
     row = data["train"][0]
     assert os.path.isfile(row["image"]) and row["image"].endswith(f"{row['image_id']}.png")
+
+
+def test_preprocessing_is_cached_by_a_stable_fingerprint(corpus):
+    """The same data, settings and (re-trained, identical) tokenizer give the same fingerprint, so the Arrow cache
+    is reused; another image size gives another."""
+    texts = [r["text"] for r in corpus["rows"] if isinstance(r["text"], str)]
+    retrained = train_tokenizer(texts, vocab_size=200)
+    assert retrained.get_vocab() == corpus["tokenizer"].get_vocab()  # tokenizer training is deterministic here
+    first, _ = _prepare(corpus)
+    again, _ = _prepare({**corpus, "tokenizer": retrained})
+    assert again._fingerprint == first._fingerprint
+    assert again.cache_files and again.cache_files[0] == first.cache_files[0]
+    other, _ = _prepare(corpus, image_size=SIZE * 2)
+    assert other._fingerprint != first._fingerprint

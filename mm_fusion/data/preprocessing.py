@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 from datasets import Array3D, Dataset, Features, List, Value
 from datasets import Image as ImageFeature
+from datasets.fingerprint import Hasher
 from PIL import Image, UnidentifiedImageError
 
 
@@ -221,6 +222,25 @@ def prepare_dataset(
             **{c: dataset.features[c] for c in keep_columns},
         }
     )
+    fn_kwargs = {
+        "tokenizer": tokenizer,
+        "image_size": image_size,
+        "data_root": data_root,
+        "max_pixels": max_pixels,
+        "max_length": max_length,
+        **columns,
+    }
+    # datasets' own hash of a tokenizer changes from one process to the next, which would defeat the cache; hash what
+    # defines the tokenization instead, with the dataset and the code of the map function.
+    fingerprint = Hasher.hash(
+        [
+            dataset._fingerprint,
+            prepare_examples,
+            tokenizer_fingerprint(tokenizer),
+            {k: v for k, v in fn_kwargs.items() if k != "tokenizer"},
+            list(keep_columns),
+        ]
+    )
     prepared = dataset.map(
         prepare_examples,
         batched=True,
@@ -229,14 +249,8 @@ def prepare_dataset(
         num_proc=num_proc,
         features=features,
         remove_columns=[c for c in dataset.column_names if c not in keep_columns],
-        fn_kwargs={
-            "tokenizer": tokenizer,
-            "image_size": image_size,
-            "data_root": data_root,
-            "max_pixels": max_pixels,
-            "max_length": max_length,
-            **columns,
-        },
+        fn_kwargs=fn_kwargs,
+        new_fingerprint=fingerprint,
         desc="Validating and preprocessing pairs",
     )
     bad_rows, quarantine = _quarantine(prepared)
@@ -254,6 +268,16 @@ def prepare_dataset(
     bad = set(bad_rows)
     clean = prepared.select([i for i in range(len(prepared)) if i not in bad]) if bad else prepared
     return clean.remove_columns(["source", "error"]), quarantine
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """A hash of what a tokenizer does (its serialised pipeline and settings), stable across processes."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return Hasher.hash(tokenizer)
+    pipeline = json.dumps(json.loads(backend.to_str()), sort_keys=True)
+    settings = {k: str(v) for k, v in sorted(tokenizer.init_kwargs.items())}
+    return Hasher.hash([type(tokenizer).__name__, pipeline, settings])
 
 
 def _quarantine(prepared: Dataset) -> tuple[list[int], list[dict[str, str]]]:
