@@ -200,8 +200,12 @@ def prepare_dataset(
     """
     if on_bad_sample not in ON_BAD_SAMPLE:
         raise ValueError(f"on_bad_sample must be one of {', '.join(ON_BAD_SAMPLE)}, got {on_bad_sample!r}.")
-    columns = {"image_column": image_column, "text_column": text_column, "id_column": id_column}
-    columns.update({"label_column": label_column})
+    columns = {
+        "image_column": image_column,
+        "text_column": text_column,
+        "id_column": id_column,
+        "label_column": label_column,
+    }
     for name, column in [*columns.items(), *(("keep_columns", c) for c in keep_columns)]:
         if column is not None and column not in dataset.column_names:
             raise ValueError(
