@@ -9,6 +9,8 @@ from transformers.models.auto.modeling_auto import MODEL_MAPPING
 
 FUSION_TYPES = ("hierarchical", "cross_attention", "late")
 POOLING_MODES = ("mean", "cls")
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
 
 # Small towers that train from scratch on a laptop; users pass their own configs for anything real.
 DEFAULT_VISION_CONFIG = {
@@ -124,6 +126,12 @@ class MMFusionConfig(PretrainedConfig):
             Dropout before the classification head's output layer.
         initializer_range (`float`, *optional*, defaults to 0.02):
             Standard deviation of the normal initialisation of the fusion block and heads.
+        image_mean (`list[float]`, *optional*, defaults to the ImageNet mean):
+            Per-channel mean used when `pixel_values` arrive as uint8 in [0, 255] (as the data collator delivers
+            them): the model then normalises them itself, on its device. Set it to the vision tower's own values
+            when composing pretrained towers.
+        image_std (`list[float]`, *optional*, defaults to the ImageNet standard deviation):
+            Per-channel standard deviation for the same normalisation.
         kwargs (*optional*):
             Passed to [`PretrainedConfig`], e.g. `num_labels`, `id2label`, `label2id`.
 
@@ -163,6 +171,8 @@ class MMFusionConfig(PretrainedConfig):
         classifier_hidden_size: int | None = None,
         classifier_dropout: float = 0.1,
         initializer_range: float = 0.02,
+        image_mean: list[float] | None = None,
+        image_std: list[float] | None = None,
         **kwargs,
     ):
         if fusion_type not in FUSION_TYPES:
@@ -201,6 +211,14 @@ class MMFusionConfig(PretrainedConfig):
         self.classifier_hidden_size = classifier_hidden_size
         self.classifier_dropout = classifier_dropout
         self.initializer_range = initializer_range
+        self.image_mean = [float(x) for x in (image_mean if image_mean is not None else IMAGENET_MEAN)]
+        self.image_std = [float(x) for x in (image_std if image_std is not None else IMAGENET_STD)]
+        num_channels = getattr(self.vision_config, "num_channels", 3)
+        if len(self.image_mean) != num_channels or len(self.image_std) != num_channels or min(self.image_std) <= 0:
+            raise ValueError(
+                f"image_mean and image_std need {num_channels} values (one per channel, std > 0); got "
+                f"{self.image_mean} and {self.image_std}."
+            )
         super().__init__(**kwargs)
 
     def _bridge_layers(self, layers: list[int] | None, tower: PretrainedConfig, role: str) -> list[int] | None:

@@ -6,12 +6,12 @@ import os
 
 import numpy as np
 import pytest
-from datasets import Array3D, Dataset, Features, Value
+from datasets import Array3D, Dataset, DatasetDict, Features, Value
 from datasets import Image as ImageFeature
 from PIL import Image
 
 from mm_fusion import train_tokenizer
-from mm_fusion.data import load_easy_vqa, load_image, load_pairs, prepare_dataset
+from mm_fusion.data import load_easy_vqa, load_image, load_pairs, prepare_dataset, uint8_pixels
 
 
 SIZE = 16
@@ -90,8 +90,8 @@ def corpus(tmp_path):
     return {"root": str(root), "pairs": pairs, "rows": rows, "bad": expected_bad, "tokenizer": tokenizer}
 
 
-def _prepare(corpus, **kwargs):
-    dataset = load_pairs(corpus["pairs"])
+def _prepare(corpus, data=None, **kwargs):
+    dataset = load_pairs(corpus["pairs"]) if data is None else data
     args = dict(
         image_column="image",
         text_column="text",
@@ -106,7 +106,8 @@ def _prepare(corpus, **kwargs):
 
 def test_planted_bad_files_are_quarantined_with_reasons(corpus, tmp_path):
     report = tmp_path / "quarantine.jsonl"
-    clean, quarantine = _prepare(corpus, quarantine_path=report)
+    prepared = _prepare(corpus, quarantine_path=report)
+    clean, quarantine = prepared.pairs, prepared.quarantine
 
     reasons = {q["id"]: q["reason"].split(":", 1)[0] for q in quarantine}
     expected = {i: reason for i, (_, reason) in corpus["bad"].items()}
@@ -127,21 +128,30 @@ def test_planted_bad_files_are_quarantined_with_reasons(corpus, tmp_path):
 
 
 def test_kept_rows_stay_aligned(corpus):
-    """After bad rows are left out, each kept row's pixels, ids and label still come from the same input row."""
-    clean, _ = _prepare(corpus)
+    """After bad rows are left out, each kept pair's image, ids and label still come from the same input row."""
+    prepared = _prepare(corpus)
     tokenizer = corpus["tokenizer"]
     rows = {r["id"]: r for r in corpus["rows"]}
+    images = prepared.images
     # Stored as uint8 in Arrow (datasets' numpy/torch formatters upcast integers to int64 when reading).
-    assert clean.features["pixel_values"] == Array3D(shape=(3, SIZE, SIZE), dtype="uint8")
-    assert "uint8" in str(clean.data.column("pixel_values").type.storage_type)
-    clean = clean.with_format("numpy")
-    for example in clean:
+    assert images.features["pixel_values"] == Array3D(shape=(3, SIZE, SIZE), dtype="uint8")
+    assert "uint8" in str(images.data.column("pixel_values").type.storage_type)
+    pixels = uint8_pixels(images.data.column("pixel_values"), (3, SIZE, SIZE))
+    for example in prepared.pairs:
         row = rows[example["id"]]
         image = load_image(row["image"], corpus["root"]).resize((SIZE, SIZE), Image.BILINEAR)
-        assert np.array_equal(example["pixel_values"], np.asarray(image).transpose(2, 0, 1))
-        assert example["input_ids"].tolist() == tokenizer(row["text"]).input_ids  # unpadded
+        assert np.array_equal(pixels[example["image_index"]], np.asarray(image).transpose(2, 0, 1))
+        assert example["image_key"] == images[example["image_index"]]["image_key"] == f"path:{row['image']}"
+        assert example["input_ids"] == tokenizer(row["text"]).input_ids  # unpadded
         assert example["length"] == len(example["input_ids"])
         assert example["labels"] == row["label"]
+
+
+def test_each_distinct_image_is_stored_once(corpus):
+    prepared = _prepare(corpus)
+    distinct = {r["image"] for r in corpus["rows"]}
+    assert len(prepared.images) == len(distinct)  # rgb.png is used by 5 rows, stored once
+    assert len(set(prepared.images["image_key"])) == len(distinct)
 
 
 def test_odd_modes_become_rgb(corpus):
@@ -177,9 +187,10 @@ def test_in_memory_image_column_with_a_corrupt_image(corpus):
         },
         features=Features({"image": ImageFeature(), "text": Value("string")}),
     )
-    clean, quarantine = prepare_dataset(dataset, corpus["tokenizer"], image_size=SIZE)
-    assert clean["id"] == ["0"] and [q["id"] for q in quarantine] == ["1"]
-    assert quarantine[0]["reason"].startswith("not_an_image")
+    prepared = prepare_dataset(dataset, corpus["tokenizer"], image_size=SIZE)
+    assert prepared.pairs["id"] == ["0"] and [q["id"] for q in prepared.quarantine] == ["1"]
+    assert prepared.quarantine[0]["reason"].startswith("not_an_image")
+    assert prepared.pairs["image_key"][0].startswith("sha1:")
 
 
 def test_imagefolder_with_metadata(tmp_path, corpus):
@@ -190,9 +201,10 @@ def test_imagefolder_with_metadata(tmp_path, corpus):
     (folder / "metadata.jsonl").write_text(
         "".join(json.dumps({"file_name": f"{i}.png", "text": f"img {i}"}) + "\n" for i in range(3))
     )
-    clean, quarantine = prepare_dataset(load_pairs(folder), corpus["tokenizer"], image_size=SIZE)
-    assert len(clean) == 3 and not quarantine
-    assert clean.with_format("numpy")[2]["pixel_values"].max() == 2
+    prepared = prepare_dataset(load_pairs(folder), corpus["tokenizer"], image_size=SIZE)
+    assert len(prepared.pairs) == 3 and not prepared.quarantine
+    row = prepared.pairs[2]["image_index"]
+    assert uint8_pixels(prepared.images.data.column("pixel_values"), (3, SIZE, SIZE))[row].max() == 2
 
 
 def test_easy_vqa_source():
@@ -212,9 +224,39 @@ def test_preprocessing_is_cached_by_a_stable_fingerprint(corpus):
     texts = [r["text"] for r in corpus["rows"] if isinstance(r["text"], str)]
     retrained = train_tokenizer(texts, vocab_size=200)
     assert retrained.get_vocab() == corpus["tokenizer"].get_vocab()  # tokenizer training is deterministic here
-    first, _ = _prepare(corpus)
-    again, _ = _prepare({**corpus, "tokenizer": retrained})
-    assert again._fingerprint == first._fingerprint
-    assert again.cache_files and again.cache_files[0] == first.cache_files[0]
-    other, _ = _prepare(corpus, image_size=SIZE * 2)
-    assert other._fingerprint != first._fingerprint
+    first = _prepare(corpus)
+    again = _prepare({**corpus, "tokenizer": retrained})
+    for table in ("pairs", "images"):
+        assert getattr(again, table)._fingerprint == getattr(first, table)._fingerprint
+        assert getattr(again, table).cache_files[0] == getattr(first, table).cache_files[0]
+    other = _prepare(corpus, image_size=SIZE * 2)
+    assert other.images._fingerprint != first.images._fingerprint
+
+
+def test_quarantine_report_is_rewritten_even_when_empty(corpus, tmp_path):
+    """A clean run writes an empty report, so a report left by an earlier run cannot be mistaken for this one's."""
+    report = tmp_path / "quarantine.jsonl"
+    _prepare(corpus, quarantine_path=report)
+    assert len(report.read_text().splitlines()) == 12
+    good = load_pairs(corpus["pairs"]).filter(lambda row: row["id"].startswith("ok-"))
+    prepared = prepare_dataset(
+        good, corpus["tokenizer"], id_column="id", image_size=SIZE, data_root=corpus["root"], quarantine_path=report
+    )
+    assert not prepared.quarantine and report.read_text() == ""
+
+
+def test_dataset_dict_shares_one_images_table(corpus):
+    """Splits that use the same picture point to one row of one images table; the report names the split."""
+    pairs = load_pairs(corpus["pairs"])
+    data = DatasetDict({"train": pairs.select(range(0, 20, 2)), "test": pairs.select(range(1, 20, 2))})
+    prepared = _prepare({**corpus}, data=data)
+    assert set(prepared.pairs) == {"train", "test"}
+    assert len(prepared.images) == len({r["image"] for r in corpus["rows"]})
+    train_gray = {row["image_index"] for row in prepared.pairs["train"] if row["image_key"] == "path:gray.png"}
+    test_gray = {row["image_index"] for row in prepared.pairs["test"] if row["image_key"] == "path:gray.png"}
+    assert len(train_gray) == 1 and train_gray == test_gray
+    splits = {q["id"]: q["split"] for q in prepared.quarantine}
+    assert splits["bad-truncated"] == "train" and splits["bad-notimage"] == "test"
+    # Ids only need to be unique within a split: "dup" occurs once in each split here.
+    assert "dup" not in splits
+    assert sum(len(s) for s in prepared.pairs.values()) + len(prepared.quarantine) == len(corpus["rows"])

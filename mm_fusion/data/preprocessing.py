@@ -1,19 +1,24 @@
-"""Validate and preprocess image-text pairs once, in a batched `Dataset.map`, into uint8 pixels and unpadded ids.
+"""Validate and preprocess image-text pairs once, by batched `Dataset.map`, into uint8 pixels and unpadded ids.
 
-Each image is decoded once: the same pass checks it (missing, empty, truncated, not an image, too large, path
-outside the data root), converts odd modes to RGB and resizes it. Rows that fail are kept out of training and
-reported, never dropped silently: they go to a quarantine list (id, source, reason) with counts per reason.
+Each distinct image is decoded once, however many pairs share it: the same pass checks it (missing, empty,
+truncated, not an image, too large, path outside the data root), converts odd modes to RGB and resizes it. Rows that
+fail are kept out of training and reported, never dropped silently: they go to a quarantine list (id, source, reason)
+with counts per reason.
 """
 
+import hashlib
 import io
 import json
 import logging
 import os
 from collections import Counter
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from datasets import Array3D, Dataset, Features, List, Value
+import torch
+from accelerate import PartialState
+from datasets import Array3D, Dataset, DatasetDict, Features, List, Value, concatenate_datasets
 from datasets import Image as ImageFeature
 from datasets.fingerprint import Hasher
 from PIL import Image, UnidentifiedImageError
@@ -112,30 +117,36 @@ def _describe_source(value: Any) -> str:
     return f"<{type(value).__name__}>"
 
 
-def prepare_examples(
+def image_key(value: Any) -> str:
+    """
+    The identity of an image, used to store each distinct image once: `"path:<path as given>"` for paths, or
+    `"sha1:<digest>"` for image bytes. An absent image (None, empty path) has the empty key and no image row.
+    """
+    if isinstance(value, dict):
+        value = value.get("bytes") if value.get("bytes") is not None else value.get("path")
+    if isinstance(value, (bytes, bytearray)):
+        return "sha1:" + hashlib.sha1(value).hexdigest()
+    if isinstance(value, str) and value:
+        return "path:" + value
+    return ""
+
+
+def prepare_images(
     batch: dict[str, list],
-    indices: list[int] | None = None,
     *,
-    tokenizer,
     image_column: str,
-    text_column: str,
-    id_column: str | None,
-    label_column: str | None,
     image_size: int,
     data_root: str | None = None,
     max_pixels: int = MAX_IMAGE_PIXELS,
-    max_length: int | None = None,
 ) -> dict[str, list]:
     """
-    `Dataset.map(batched=True)` function: decode, check, convert and resize each image to `image_size` square uint8
-    (C, H, W); tokenize each text without padding. Rows that fail keep a zero image and carry an `error` for the
-    quarantine report.
+    `Dataset.map(batched=True)` function over distinct images: decode, check, convert and resize each one to
+    `image_size` square uint8 (C, H, W). An image that fails keeps a zero array and carries an `error`.
     """
-    n = len(batch[text_column])
-    ids = [str(x) for x in batch[id_column]] if id_column else [str(i) for i in indices]
     blank = np.zeros((3, image_size, image_size), dtype=np.uint8)
-    pixels, errors, sources = [], [], []
+    keys, pixels, errors, sources = [], [], [], []
     for value in batch[image_column]:
+        keys.append(image_key(value))
         sources.append(_describe_source(value))
         try:
             image = load_image(value, data_root, max_pixels).resize((image_size, image_size), Image.BILINEAR)
@@ -144,24 +155,45 @@ def prepare_examples(
         except BadSample as bad:
             pixels.append(blank)
             errors.append(f"{bad.reason}: {bad.detail}")
+    return {"image_key": keys, "pixel_values": pixels, "source": sources, "error": errors}
+
+
+def prepare_texts(
+    batch: dict[str, list],
+    indices: list[int],
+    *,
+    tokenizer,
+    image_rows: dict[str, int],
+    image_column: str,
+    text_column: str,
+    id_column: str | None,
+    label_column: str | None,
+    max_length: int | None = None,
+) -> dict[str, list]:
+    """
+    `Dataset.map(batched=True)` function over pairs: the pair's id, the key and row of its image in the images table,
+    its text tokenized without padding, and an `error` for a bad text or label.
+    """
+    n = len(batch[text_column])
+    keys = [image_key(value) for value in batch[image_column]]
+    errors = [""] * n
     if label_column:
         for i, label in enumerate(batch[label_column]):
-            if (label is None or (isinstance(label, int) and label < 0)) and not errors[i]:
+            if label is None or (isinstance(label, int) and label < 0):
                 errors[i] = f"bad_label: missing or negative label {label!r}"
     texts = []
     for i, text in enumerate(batch[text_column]):
         if not isinstance(text, str) or not text.strip():
-            if not errors[i]:
-                errors[i] = f"bad_text: expected a non-empty string, got {text!r}"
+            errors[i] = errors[i] or f"bad_text: expected a non-empty string, got {text!r}"
             text = ""
         texts.append(text)
     encoded = tokenizer(texts, truncation=max_length is not None, max_length=max_length, padding=False)
     output = {
-        "id": ids,
-        "pixel_values": pixels,
+        "id": [str(x) for x in batch[id_column]] if id_column else [str(i) for i in indices],
+        "image_key": keys,
+        "image_index": [image_rows.get(key, -1) for key in keys],
         "input_ids": encoded["input_ids"],
         "length": [len(x) for x in encoded["input_ids"]],
-        "source": sources,
         "error": errors,
     }
     if label_column:
@@ -170,8 +202,29 @@ def prepare_examples(
     return output
 
 
+@dataclass
+class PreparedData:
+    """
+    The output of [`prepare_dataset`].
+
+    Attributes:
+        pairs (`Dataset` or `DatasetDict`):
+            One row per usable pair: `id`, `image_key` and `image_index` (its row in `images`), `input_ids`
+            (unpadded), `length`, and `labels` when a label column was given, plus the kept columns.
+        images (`Dataset`):
+            One row per distinct image (of every split): `image_key` and `pixel_values`, uint8 (3, S, S). Pairs that
+            share an image point to the same row, so each image is decoded, stored and read once.
+        quarantine (`list[dict]`):
+            The pairs left out, as `{"id", "source", "reason"}` (plus `"split"` for a `DatasetDict`).
+    """
+
+    pairs: Dataset | DatasetDict
+    images: Dataset
+    quarantine: list[dict[str, str]]
+
+
 def prepare_dataset(
-    dataset: Dataset,
+    data: Dataset | DatasetDict,
     tokenizer,
     *,
     image_column: str = "image",
@@ -187,91 +240,201 @@ def prepare_dataset(
     quarantine_path: str | os.PathLike | None = None,
     num_proc: int | None = None,
     batch_size: int = 256,
-) -> tuple[Dataset, list[dict[str, str]]]:
+) -> PreparedData:
     """
-    Validate and preprocess `dataset` once (cached in the Arrow cache by its fingerprint). Returns the clean dataset
-    (`id`, `pixel_values` uint8 (3, S, S), `input_ids` unpadded, `length`, `labels` if `label_column`, plus
-    `keep_columns`) and the quarantine list of `{"id", "source", "reason"}` for rows that were left out.
+    Validate and preprocess image-text pairs once, with results kept in the Arrow cache under a fingerprint that is
+    stable across processes, so a later run reuses them. Distinct images (by path, or by content for image bytes)
+    are decoded, checked and resized once into an images table; pairs keep their tokenized text and the row of
+    their image. In a multi-process run the work is done by the local main process first and the other ranks load
+    it from the cache.
 
     Args:
+        data (`Dataset` or `DatasetDict`):
+            The pairs. A `DatasetDict` gives one `pairs` split per split and one images table for all of them, so one
+            collator serves training and evaluation.
+        image_column, text_column, id_column, label_column (`str`):
+            Column names. Without an id column, ids are the row numbers. Ids must be unique (within a split).
+        image_size (`int`, *optional*, defaults to 224):
+            Images are resized to `image_size` x `image_size`.
         on_bad_sample (`str`, *optional*, defaults to `"skip"`):
             `"skip"` leaves bad rows out and reports them (log summary, and `quarantine_path` as jsonl when given);
             `"error"` raises a `ValueError` listing them.
+        quarantine_path (`str`, *optional*):
+            Where to write the quarantine report (jsonl: id, source, reason); written on every run, empty when
+            nothing was left out, so no stale report survives.
     """
     if on_bad_sample not in ON_BAD_SAMPLE:
         raise ValueError(f"on_bad_sample must be one of {', '.join(ON_BAD_SAMPLE)}, got {on_bad_sample!r}.")
+    splits = dict(data) if isinstance(data, DatasetDict) else {"": data}
     columns = {
         "image_column": image_column,
         "text_column": text_column,
         "id_column": id_column,
         "label_column": label_column,
     }
-    for name, column in [*columns.items(), *(("keep_columns", c) for c in keep_columns)]:
-        if column is not None and column not in dataset.column_names:
-            raise ValueError(
-                f"{name}={column!r} is not a column of this dataset; available columns: {dataset.column_names}."
+    for split, dataset in splits.items():
+        for name, column in [*columns.items(), *(("keep_columns", c) for c in keep_columns)]:
+            if column is not None and column not in dataset.column_names:
+                where = f" (split {split!r})" if split else ""
+                raise ValueError(
+                    f"{name}={column!r} is not a column of this dataset{where}; available columns: "
+                    f"{dataset.column_names}."
+                )
+        if isinstance(dataset.features[image_column], ImageFeature):
+            # Undecoded, so that a corrupt file reaches our checks (and the quarantine) instead of failing in datasets.
+            splits[split] = dataset.cast_column(image_column, ImageFeature(decode=False))
+
+    state = _distributed_state()
+    with state.local_main_process_first():
+        images, image_rows = _prepare_images(
+            splits, image_column, image_size, data_root, max_pixels, num_proc, batch_size
+        )
+        prepared = {
+            split: _prepare_texts(
+                dataset, tokenizer, images, image_rows, columns, keep_columns, max_length, num_proc, batch_size
             )
-    if isinstance(dataset.features[image_column], ImageFeature):
-        # Undecoded, so that a corrupt file reaches our checks (and the quarantine) instead of failing inside datasets.
-        dataset = dataset.cast_column(image_column, ImageFeature(decode=False))
-    features = Features(
-        {
-            "id": Value("string"),
-            "pixel_values": Array3D(shape=(3, image_size, image_size), dtype="uint8"),
-            "input_ids": List(Value("int32")),
-            "length": Value("int32"),
-            "source": Value("string"),
-            "error": Value("string"),
-            **({"labels": dataset.features[label_column]} if label_column else {}),
-            **{c: dataset.features[c] for c in keep_columns},
+            for split, dataset in splits.items()
         }
-    )
-    fn_kwargs = {
-        "tokenizer": tokenizer,
-        "image_size": image_size,
-        "data_root": data_root,
-        "max_pixels": max_pixels,
-        "max_length": max_length,
-        **columns,
-    }
-    # datasets' own hash of a tokenizer changes from one process to the next, which would defeat the cache; hash what
-    # defines the tokenization instead, with the dataset and the code of the map function.
-    fingerprint = Hasher.hash(
-        [
-            dataset._fingerprint,
-            prepare_examples,
-            tokenizer_fingerprint(tokenizer),
-            {k: v for k, v in fn_kwargs.items() if k != "tokenizer"},
-            list(keep_columns),
-        ]
-    )
-    prepared = dataset.map(
-        prepare_examples,
-        batched=True,
-        batch_size=batch_size,
-        with_indices=True,
-        num_proc=num_proc,
-        features=features,
-        remove_columns=[c for c in dataset.column_names if c not in keep_columns],
-        fn_kwargs=fn_kwargs,
-        new_fingerprint=fingerprint,
-        desc="Validating and preprocessing pairs",
-    )
-    bad_rows, quarantine = _quarantine(prepared)
+
+    image_table = images.select_columns(["source", "error"]).to_dict()
+    quarantine, pairs = [], {}
+    for split, dataset in prepared.items():
+        bad_rows, bad = _quarantine(dataset, image_table)
+        quarantine += [{**q, "split": split} for q in bad] if split else bad
+        keep = set(bad_rows)
+        clean = dataset.select([i for i in range(len(dataset)) if i not in keep]) if keep else dataset
+        pairs[split] = clean.remove_columns("error")
+    total = sum(len(d) for d in prepared.values())
     if quarantine:
         counts = Counter(q["reason"].split(":", 1)[0] for q in quarantine)
         summary = ", ".join(f"{reason}: {count}" for reason, count in counts.most_common())
         if on_bad_sample == "error":
             examples = "; ".join(f"{q['id']} ({q['reason']})" for q in quarantine[:5])
-            raise ValueError(f"{len(quarantine)} of {len(prepared)} rows are unusable ({summary}), e.g. {examples}.")
-        if quarantine_path is not None:
-            with open(quarantine_path, "w") as f:
-                f.writelines(json.dumps(q) + "\n" for q in quarantine)
-        where = f"; details in {quarantine_path}" if quarantine_path is not None else ""
-        logger.warning("Left out %d of %d rows (%s)%s.", len(quarantine), len(prepared), summary, where)
-    bad = set(bad_rows)
-    clean = prepared.select([i for i in range(len(prepared)) if i not in bad]) if bad else prepared
-    return clean.remove_columns(["source", "error"]), quarantine
+            raise ValueError(f"{len(quarantine)} of {total} rows are unusable ({summary}), e.g. {examples}.")
+        if state.is_local_main_process:
+            where = f"; details in {quarantine_path}" if quarantine_path is not None else ""
+            logger.warning("Left out %d of %d rows (%s)%s.", len(quarantine), total, summary, where)
+    if quarantine_path is not None and state.is_local_main_process:
+        with open(quarantine_path, "w") as f:
+            f.writelines(json.dumps(q) + "\n" for q in quarantine)
+    return PreparedData(
+        pairs=DatasetDict(pairs) if isinstance(data, DatasetDict) else pairs[""],
+        images=images.remove_columns(["source", "error"]),
+        quarantine=quarantine,
+    )
+
+
+def _prepare_images(
+    splits: dict[str, Dataset],
+    image_column: str,
+    image_size: int,
+    data_root: str | None,
+    max_pixels: int,
+    num_proc: int | None,
+    batch_size: int,
+) -> tuple[Dataset, dict[str, int]]:
+    """The images table (each distinct image of every split once, in order of first use) and its row per key."""
+    image_rows: dict[str, int] = {}
+    parts = []
+    for dataset in splits.values():
+        first_uses = []
+        column = dataset.select_columns([image_column])
+        for start in range(0, len(dataset), 4096):
+            for offset, value in enumerate(column[start : start + 4096][image_column]):
+                key = image_key(value)
+                if key and key not in image_rows:
+                    image_rows[key] = len(image_rows)
+                    first_uses.append(start + offset)
+        parts.append(column.select(first_uses) if len(first_uses) < len(dataset) else column)
+    source = parts[0] if len(parts) == 1 else concatenate_datasets(parts)
+    settings = {
+        "image_column": image_column,
+        "image_size": image_size,
+        "data_root": data_root,
+        "max_pixels": max_pixels,
+    }
+    images = source.map(
+        prepare_images,
+        batched=True,
+        batch_size=batch_size,
+        num_proc=num_proc if num_proc and len(source) >= num_proc else None,
+        features=Features(
+            {
+                "image_key": Value("string"),
+                "pixel_values": Array3D(shape=(3, image_size, image_size), dtype="uint8"),
+                "source": Value("string"),
+                "error": Value("string"),
+            }
+        ),
+        remove_columns=[image_column],
+        fn_kwargs=settings,
+        new_fingerprint=Hasher.hash([source._fingerprint, prepare_images, settings]),
+        desc="Decoding, checking and resizing images",
+    )
+    return images, image_rows
+
+
+def _prepare_texts(
+    dataset: Dataset,
+    tokenizer,
+    images: Dataset,
+    image_rows: dict[str, int],
+    columns: dict[str, str | None],
+    keep_columns: tuple[str, ...],
+    max_length: int | None,
+    num_proc: int | None,
+    batch_size: int,
+) -> Dataset:
+    """Tokenize a split's texts and link each pair to its image row; bad text / labels are marked in `error`."""
+    label_column = columns["label_column"]
+    features = Features(
+        {
+            "id": Value("string"),
+            "image_key": Value("string"),
+            "image_index": Value("int64"),
+            "input_ids": List(Value("int32")),
+            "length": Value("int32"),
+            "error": Value("string"),
+            **({"labels": dataset.features[label_column]} if label_column else {}),
+            **{c: dataset.features[c] for c in keep_columns},
+        }
+    )
+    # datasets' own hash of a tokenizer changes from one process to the next, which would defeat the cache; hash what
+    # defines the tokenization instead, with the dataset, the images table (which fixes `image_rows`) and the code.
+    fingerprint = Hasher.hash(
+        [
+            dataset._fingerprint,
+            images._fingerprint,
+            prepare_texts,
+            tokenizer_fingerprint(tokenizer),
+            columns,
+            max_length,
+            list(keep_columns),
+        ]
+    )
+    return dataset.map(
+        prepare_texts,
+        batched=True,
+        batch_size=batch_size,
+        with_indices=True,
+        num_proc=num_proc if num_proc and len(dataset) >= num_proc else None,
+        features=features,
+        remove_columns=[c for c in dataset.column_names if c not in keep_columns],
+        fn_kwargs={"tokenizer": tokenizer, "image_rows": image_rows, "max_length": max_length, **columns},
+        new_fingerprint=fingerprint,
+        desc="Tokenizing and linking pairs to images",
+    )
+
+
+def _distributed_state() -> PartialState:
+    """
+    Accelerate's process state (the one `Trainer` / `Accelerator` use). When nothing has set it up yet on a machine
+    without an accelerator, a `torchrun` launch is taken as multi-CPU: plain `PartialState()` would treat every rank
+    as a lone process there, and each would redo the preprocessing.
+    """
+    if not PartialState._shared_state:
+        return PartialState(cpu=not torch.accelerator.is_available())
+    return PartialState()
 
 
 def tokenizer_fingerprint(tokenizer) -> str:
@@ -284,17 +447,25 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return Hasher.hash([type(tokenizer).__name__, pipeline, settings])
 
 
-def _quarantine(prepared: Dataset) -> tuple[list[int], list[dict[str, str]]]:
-    """Rows with a decode/text/label error, and every row whose id is not unique: their indices and report."""
-    table = prepared.select_columns(["id", "source", "error"]).to_dict()
-    ids, sources, errors = table["id"], table["source"], table["error"]
+def _quarantine(pairs: Dataset, image_table: dict[str, list]) -> tuple[list[int], list[dict[str, str]]]:
+    """
+    Pairs whose image failed, whose text or label is bad, or whose id is not unique: their row indices and report
+    entries.
+    """
+    table = pairs.select_columns(["id", "image_index", "error"]).to_dict()
+    ids, image_index, errors = table["id"], table["image_index"], table["error"]
     rows_by_id: dict[str, list[int]] = {}
     for row, sample_id in enumerate(ids):
         rows_by_id.setdefault(sample_id, []).append(row)
     bad_rows, quarantine = [], []
-    for row, (sample_id, source, error) in enumerate(zip(ids, sources, errors)):
-        if len(rows_by_id[sample_id]) > 1:
-            error = error or f"duplicate_id: id {sample_id!r} is used by rows {rows_by_id[sample_id]}"
+    for row, (sample_id, image, error) in enumerate(zip(ids, image_index, errors)):
+        if image < 0:
+            source, image_error = "<none>", "missing_image: no image given"
+        else:
+            source, image_error = image_table["source"][image], image_table["error"][image]
+        error = image_error or error
+        if not error and len(rows_by_id[sample_id]) > 1:
+            error = f"duplicate_id: id {sample_id!r} is used by rows {rows_by_id[sample_id]}"
         if error:
             bad_rows.append(row)
             quarantine.append({"id": sample_id, "source": source, "reason": error})

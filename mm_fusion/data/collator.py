@@ -1,0 +1,138 @@
+"""Batches of prepared pairs: text padded to the longest in the batch, uint8 images read once per batch, sample ids."""
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import torch
+from datasets import Dataset
+
+
+class AlignmentError(RuntimeError):
+    """A pair in a batch was about to be trained with an image that is not its own."""
+
+
+def uint8_pixels(column: pa.ChunkedArray | pa.Array, shape: tuple[int, ...]) -> np.ndarray:
+    """
+    An `Array3D(uint8)` Arrow column as one uint8 array of shape `(rows, *shape)`. Read straight from the Arrow
+    buffers: datasets' numpy / torch formatters would return int64, 8x the bytes.
+    """
+    if isinstance(column, pa.ChunkedArray):
+        column = column.combine_chunks()
+    values = column.storage if isinstance(column, pa.ExtensionArray) else column
+    while (
+        pa.types.is_list(values.type)
+        or pa.types.is_large_list(values.type)
+        or pa.types.is_fixed_size_list(values.type)
+    ):
+        values = values.flatten()
+    array = values.to_numpy(zero_copy_only=False).reshape(len(column), *shape)
+    return array if array.flags.writeable else array.copy()
+
+
+class ImageTextCollator:
+    """
+    Data collator for the pairs of [`prepare_dataset`]: pads `input_ids` to the longest text in the batch (with an
+    `attention_mask`), reads each distinct image of the batch once from the images table as uint8, and carries every
+    sample's id. Normalisation is left to the model, which does it on its device once per batch.
+
+    Args:
+        images (`Dataset`):
+            `PreparedData.images`: the table the pairs' `image_index` points into.
+        pad_token_id (`int`, *optional*, defaults to 0):
+            Token id used for padding (`tokenizer.pad_token_id`).
+        pad_to_multiple_of (`int`, *optional*):
+            Round the padded length up to a multiple of this (e.g. 8 for tensor cores).
+        share_images (`bool`, *optional*, defaults to `True`):
+            Return each distinct image once with an `image_index` per text (the vision tower then encodes it once).
+            With `False`, one image per text, repeated where texts share one (for heads that need a 1:1 batch, such
+            as contrastive pretraining).
+        image_transform (`Callable`, *optional*):
+            Random augmentation, called on each uint8 `(3, S, S)` image tensor of every batch, so it differs from
+            epoch to epoch and never enters the cached preprocessing. Must return a uint8 tensor of the same shape,
+            e.g. a `torchvision.transforms.v2` transform.
+        check_alignment (`bool`, *optional*, defaults to `True`):
+            Check that every image read for the batch is the one its pair was linked to at preprocessing (by its key)
+            and raise [`AlignmentError`] otherwise. It costs one string comparison per sample.
+
+    Returns a dict with `pixel_values` (uint8), `image_index` (when sharing), `input_ids`, `attention_mask`,
+    `labels` (when the pairs have them) and `sample_ids` (a list of str, ignored by the model).
+    """
+
+    def __init__(
+        self,
+        images: Dataset,
+        pad_token_id: int = 0,
+        pad_to_multiple_of: int | None = None,
+        share_images: bool = True,
+        image_transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        check_alignment: bool = True,
+    ):
+        missing = {"image_key", "pixel_values"} - set(images.column_names)
+        if missing:
+            raise ValueError(
+                f"`images` must be PreparedData.images from prepare_dataset; it lacks the columns {sorted(missing)}."
+            )
+        self.images = images.with_format("arrow")
+        self.image_shape = tuple(images.features["pixel_values"].shape)
+        self.pad_token_id = pad_token_id
+        self.pad_to_multiple_of = pad_to_multiple_of
+        self.share_images = share_images
+        self.image_transform = image_transform
+        self.check_alignment = check_alignment
+
+    def __call__(self, features: list[dict[str, Any]]) -> dict[str, Any]:
+        missing = {"id", "image_index", "image_key", "input_ids"} - set(features[0])
+        if missing:
+            raise ValueError(
+                f"The batch lacks {sorted(missing)}: pass the pairs of prepare_dataset, and keep their columns (with "
+                "Trainer, set remove_unused_columns=False)."
+            )
+        sample_ids = [str(f["id"]) for f in features]
+        rows = [int(f["image_index"]) for f in features]
+        unique_rows = list(dict.fromkeys(rows))
+        position = {row: i for i, row in enumerate(unique_rows)}
+        image_index = torch.tensor([position[row] for row in rows], dtype=torch.long)
+        table = self.images[unique_rows]
+        if self.check_alignment:
+            self._check_alignment(features, table.column("image_key").to_pylist(), position)
+        pixel_values = torch.from_numpy(uint8_pixels(table.column("pixel_values"), self.image_shape))
+        if self.image_transform is not None:
+            pixel_values = torch.stack([self.image_transform(image) for image in pixel_values])
+        batch = {"pixel_values": pixel_values}
+        if self.share_images:
+            batch["image_index"] = image_index
+        else:
+            batch["pixel_values"] = pixel_values[image_index]
+        batch.update(self._pad([f["input_ids"] for f in features]))
+        if "labels" in features[0]:
+            labels = [f["labels"] for f in features]
+            dtype = torch.float32 if isinstance(labels[0], (list, tuple, np.ndarray)) else torch.long
+            batch["labels"] = torch.tensor(np.asarray(labels), dtype=dtype)
+        batch["sample_ids"] = sample_ids
+        return batch
+
+    def _pad(self, sequences: list[list[int]]) -> dict[str, torch.Tensor]:
+        """Right-pad token ids to the longest sequence (rounded up to `pad_to_multiple_of`)."""
+        length = max(len(s) for s in sequences)
+        if self.pad_to_multiple_of:
+            length = -(-length // self.pad_to_multiple_of) * self.pad_to_multiple_of
+        input_ids = torch.full((len(sequences), length), self.pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(sequences), length), dtype=torch.long)
+        for i, sequence in enumerate(sequences):
+            input_ids[i, : len(sequence)] = torch.as_tensor(sequence, dtype=torch.long)
+            attention_mask[i, : len(sequence)] = 1
+        return {"input_ids": input_ids, "attention_mask": attention_mask}
+
+    @staticmethod
+    def _check_alignment(features, keys: list[str], position: dict[int, int]) -> None:
+        for feature in features:
+            row = int(feature["image_index"])
+            found = keys[position[row]]
+            if found != feature["image_key"]:
+                raise AlignmentError(
+                    f"Sample {feature['id']!r} was paired with image {feature['image_key']!r} at preprocessing, but "
+                    f"row {row} of the images table holds {found!r}. The images table does not belong to these pairs "
+                    "(was it filtered, shuffled or taken from another run?)."
+                )
