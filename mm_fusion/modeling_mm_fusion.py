@@ -103,6 +103,16 @@ class MMFusionForPretrainingOutput(ModelOutput):
     text_embeds: torch.FloatTensor | None = None
 
 
+def normalize_uint8_pixels(
+    pixel_values: torch.Tensor, mean: list[float], std: list[float], dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """`(pixel_values / 255 - mean) / std` per channel, computed as one fused multiply-add on the tensor's device."""
+    std64 = torch.tensor(std, dtype=torch.float64)
+    scale = (1.0 / (255.0 * std64)).view(1, -1, 1, 1).to(pixel_values.device, torch.float32)
+    shift = (-torch.tensor(mean, dtype=torch.float64) / std64).view(1, -1, 1, 1).to(pixel_values.device, torch.float32)
+    return torch.addcmul(shift, pixel_values.to(torch.float32), scale).to(dtype)
+
+
 def _check_inputs(pixel_values: torch.Tensor | None, input_ids: torch.Tensor | None, image_index=None) -> None:
     """Clear errors for missing inputs and image/text batches that do not line up."""
     if pixel_values is None or input_ids is None:
@@ -452,10 +462,7 @@ class MMFusionModel(MMFusionPreTrainedModel):
         """
         if pixel_values.dtype != torch.uint8:
             return pixel_values
-        shape = (1, -1, 1, 1)
-        mean = torch.tensor(self.config.image_mean, device=pixel_values.device).view(shape)
-        std = torch.tensor(self.config.image_std, device=pixel_values.device).view(shape)
-        return ((pixel_values.float() / 255.0 - mean) / std).to(self.dtype)
+        return normalize_uint8_pixels(pixel_values, self.config.image_mean, self.config.image_std, self.dtype)
 
     @staticmethod
     def _bridge_features(tower_out: ModelOutput, layers: list[int]) -> list[torch.Tensor]:

@@ -1,5 +1,6 @@
 """Batches of prepared pairs: text padded to the longest in the batch, uint8 images read once per batch, sample ids."""
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -13,22 +14,36 @@ class AlignmentError(RuntimeError):
     """A pair in a batch was about to be trained with an image that is not its own."""
 
 
-def uint8_pixels(column: pa.ChunkedArray | pa.Array, shape: tuple[int, ...]) -> np.ndarray:
+def uint8_pixels(
+    column: pa.ChunkedArray | pa.Array, shape: tuple[int, ...], out: np.ndarray | None = None
+) -> np.ndarray:
     """
-    An `Array3D(uint8)` Arrow column as one uint8 array of shape `(rows, *shape)`. Read straight from the Arrow
-    buffers: datasets' numpy / torch formatters would return int64, 8x the bytes.
+    An `Array3D(uint8)` Arrow column as one uint8 array of shape `(rows, *shape)`, copied once, straight from the
+    Arrow buffers (which are memory-mapped from the cache) into `out` when given. datasets' numpy / torch formatters
+    would return int64, 8x the bytes.
     """
-    if isinstance(column, pa.ChunkedArray):
-        column = column.combine_chunks()
-    values = column.storage if isinstance(column, pa.ExtensionArray) else column
-    while (
-        pa.types.is_list(values.type)
-        or pa.types.is_large_list(values.type)
-        or pa.types.is_fixed_size_list(values.type)
-    ):
-        values = values.flatten()
-    array = values.to_numpy(zero_copy_only=False).reshape(len(column), *shape)
-    return array if array.flags.writeable else array.copy()
+    chunks = column.chunks if isinstance(column, pa.ChunkedArray) else [column]
+    if out is None:
+        out = np.empty((len(column), *shape), dtype=np.uint8)
+    row = 0
+    for chunk in chunks:
+        values = chunk.storage if isinstance(chunk, pa.ExtensionArray) else chunk
+        while pa.types.is_list(values.type) or pa.types.is_large_list(values.type):
+            values = values.flatten()
+        out[row : row + len(chunk)] = values.to_numpy(zero_copy_only=False).reshape(len(chunk), *shape)
+        row += len(chunk)
+    return out
+
+
+def _empty_uint8(shape: tuple[int, ...]) -> torch.Tensor:
+    """
+    An uninitialised uint8 tensor. In a DataLoader worker it is allocated in shared memory, as torch's own
+    `default_collate` does, so that handing the batch to the main process costs no extra copy.
+    """
+    if torch.utils.data.get_worker_info() is None:
+        return torch.empty(shape, dtype=torch.uint8)
+    storage = torch.empty(0, dtype=torch.uint8)._typed_storage()._new_shared(math.prod(shape))
+    return torch.empty(0, dtype=torch.uint8).set_(storage).view(shape)
 
 
 class ImageTextCollator:
@@ -97,13 +112,14 @@ class ImageTextCollator:
         table = self.images[unique_rows]
         if self.check_alignment:
             self._check_alignment(features, table.column("image_key").to_pylist(), position)
-        pixel_values = torch.from_numpy(uint8_pixels(table.column("pixel_values"), self.image_shape))
+        pixel_values = _empty_uint8((len(unique_rows), *self.image_shape))
+        uint8_pixels(table.column("pixel_values"), self.image_shape, out=pixel_values.numpy())
         if self.image_transform is not None:
             pixel_values = torch.stack([self.image_transform(image) for image in pixel_values])
         batch = {"pixel_values": pixel_values}
         if self.share_images:
             batch["image_index"] = image_index
-        else:
+        elif len(unique_rows) < len(rows):
             batch["pixel_values"] = pixel_values[image_index]
         batch.update(self._pad([f["input_ids"] for f in features]))
         if "labels" in features[0]:

@@ -1,0 +1,493 @@
+"""
+Benchmark the data pipeline against the two baselines of DESIGN.md, on easy-VQA, in one run on one machine.
+
+Contenders (same questions, same images, same tokenizer, batch 32, `num_workers` = cores):
+
+- `seed`: the source articles' loader: a `torch.utils.data.Dataset` whose `__getitem__` opens the image with PIL,
+  applies `Resize((S, S))`, `ToTensor`, `Normalize(ImageNet)`, and tokenizes with `padding="max_length",
+  truncation=True, max_length=512`; `pin_memory=True`.
+- `run_clip`: transformers' contrastive-image-text example: a `datasets` pipeline that drops unreadable images with
+  `filter`, tokenizes by `map` to `max_length=128`, and decodes + transforms images per batch with `set_transform`
+  (`read_image`, `Resize([S], bicubic)`, `CenterCrop`, `ConvertImageDtype`, `Normalize`, TorchScript-compiled);
+  `pin_memory=True` as `Trainer` sets it by default.
+- `mm_fusion`: `prepare_dataset` (validated, uint8 images stored once, unpadded ids, Arrow cache) + the
+  `ImageTextCollator`, with `persistent_workers=True` and `pin_memory` only when there is a GPU. Its batches hold
+  uint8 images, which the model normalises on its device; that step is timed separately, on this CPU, and reported
+  in its own column.
+- `mm_fusion_grouped`: the same with transformers' `LengthGroupedSampler` over the `length` column (what `Trainer`
+  uses for `train_sampling_strategy="group_by_length"`).
+- `mm_fusion_no_workers`: `mm_fusion` with `num_workers=0`: collation reads the memory-mapped cache in the main
+  process, with no inter-process copy.
+
+Each trial runs in a new process with an empty datasets cache: start-up (building the pipeline, including any
+preprocessing), then `epochs` epochs. Steady state is the median over epochs 2+; the cold first epoch is start-up +
+epoch 1. Contenders are interleaved (A B C D E, B C D E A, ...) and repeated; the table gives medians with min-max.
+A separate start-up test times `prepare_dataset` on all of easy-VQA in a fresh process with an empty cache, then
+again in a new process with the cache of the first.
+
+    python scripts/benchmark_data.py                       # the full benchmark (about 9 minutes on 2 cores)
+    python scripts/benchmark_data.py --num_samples 512 --repeats 1 --epochs 2   # a quick look
+"""
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+import psutil
+from transformers import HfArgumentParser
+
+
+PIPELINES = ("seed", "run_clip", "mm_fusion", "mm_fusion_grouped", "mm_fusion_no_workers")
+IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+
+
+@dataclass
+class BenchmarkArguments:
+    image_sizes: list[int] = field(default_factory=lambda: [224, 64], metadata={"help": "Image sizes to compare at."})
+    pipelines: list[str] = field(default_factory=lambda: list(PIPELINES), metadata={"help": "Contenders to run."})
+    num_samples: int = field(default=4096, metadata={"help": "Questions drawn (at random) from easy-VQA train."})
+    epochs: int = field(default=3, metadata={"help": "Epochs per trial; epochs 2+ give the steady state."})
+    repeats: int = field(default=3, metadata={"help": "Trials per contender and image size."})
+    startup_repeats: int = field(default=3, metadata={"help": "Cold/warm start-up pairs per image size."})
+    batch_size: int = field(default=32, metadata={"help": "Batch size of every DataLoader."})
+    num_workers: int = field(default=os.cpu_count() or 1, metadata={"help": "DataLoader workers (default: cores)."})
+    output: str = field(default="scripts/results/benchmark_data", metadata={"help": "Writes OUTPUT.json, OUTPUT.md."})
+    seed: int = field(default=0, metadata={"help": "Seed of the question sample and of the loaders' shuffling."})
+
+
+def _pss(pid: int) -> int:
+    """
+    Proportional set size in bytes: pages shared between processes (forked workers, the memory-mapped cache) are
+    split between them instead of counted once per process. Read from /proc/PID/smaps_rollup, which is cheap; RSS
+    where that is missing.
+    """
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("Pss:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return psutil.Process(pid).memory_info().rss
+
+
+class PeakRSS:
+    """
+    Samples the summed memory (PSS where available) of this process and its children (the DataLoader workers) every
+    `interval` seconds; sparse enough not to slow the pipelines it measures on a 2-core machine.
+    """
+
+    def __init__(self, interval: float = 0.25):
+        self.interval, self.peak, self._stop = interval, 0, threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        process = psutil.Process()
+        while not self._stop.is_set():
+            try:
+                rss = sum(_pss(p.pid) for p in [process, *process.children(recursive=True)])
+            except psutil.Error:
+                continue
+            self.peak = max(self.peak, rss)
+            self._stop.wait(self.interval)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The contenders. Each returns a DataLoader, and for uint8 batches the normalisation the model applies on its device.
+
+
+def seed_loader(rows, tokenizer, size, args):
+    """The source articles' pipeline, as DESIGN.md describes it."""
+    import torch
+    from PIL import Image
+    from torchvision import transforms
+
+    class SeedStyleDataset(torch.utils.data.Dataset):
+        def __init__(self, paths, questions, answers):
+            self.paths, self.questions, self.answers = paths, questions, answers
+            self.transform = transforms.Compose(
+                [
+                    transforms.Resize((size, size)),
+                    transforms.ToTensor(),
+                    transforms.Normalize(IMAGENET_MEAN, IMAGENET_STD),
+                ]
+            )
+
+        def __len__(self):
+            return len(self.paths)
+
+        def __getitem__(self, i):
+            image = Image.open(self.paths[i]).convert("RGB")
+            text = tokenizer(
+                self.questions[i], padding="max_length", truncation=True, max_length=512, return_tensors="pt"
+            )
+            return {
+                "pixel_values": self.transform(image),
+                "input_ids": text["input_ids"].squeeze(0),
+                "attention_mask": text["attention_mask"].squeeze(0),
+                "labels": torch.tensor(self.answers[i]),
+            }
+
+    dataset = SeedStyleDataset(rows["image"], rows["question"], rows["answer"])
+    loader = torch.utils.data.DataLoader(
+        dataset, batch_size=args.batch_size, shuffle=True, num_workers=args.num_workers, pin_memory=True
+    )
+    return loader, None
+
+
+def run_clip_loader(dataset, tokenizer, size, args):
+    """transformers' examples/pytorch/contrastive-image-text/run_clip.py data path, on the same rows."""
+    import torch
+    from PIL import Image
+    from torchvision.io import ImageReadMode, read_image
+    from torchvision.transforms import CenterCrop, ConvertImageDtype, InterpolationMode, Normalize, Resize
+
+    class Transform(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.transforms = torch.nn.Sequential(
+                Resize([size], interpolation=InterpolationMode.BICUBIC),
+                CenterCrop(size),
+                ConvertImageDtype(torch.float),
+                Normalize(IMAGENET_MEAN, IMAGENET_STD),
+            )
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            with torch.no_grad():
+                return self.transforms(x)
+
+    transform = torch.jit.script(Transform())
+
+    def readable(batch):
+        keep = []
+        for path in batch["image"]:
+            try:
+                Image.open(path)
+                keep.append(True)
+            except Exception:
+                keep.append(False)
+        return keep
+
+    def tokenize(batch):
+        text = tokenizer(batch["question"], max_length=128, padding="max_length", truncation=True)
+        return {"input_ids": text["input_ids"], "attention_mask": text["attention_mask"]}
+
+    def transform_images(batch):
+        batch["pixel_values"] = [transform(read_image(p, mode=ImageReadMode.RGB)) for p in batch["image"]]
+        return batch
+
+    def collate(examples):
+        return {
+            "pixel_values": torch.stack([e["pixel_values"] for e in examples]),
+            "input_ids": torch.tensor([e["input_ids"] for e in examples], dtype=torch.long),
+            "attention_mask": torch.tensor([e["attention_mask"] for e in examples], dtype=torch.long),
+        }
+
+    dataset = dataset.filter(readable, batched=True)
+    dataset = dataset.map(tokenize, batched=True, remove_columns=[c for c in dataset.column_names if c != "image"])
+    dataset.set_transform(transform_images)
+    loader = torch.utils.data.DataLoader(
+        dataset,
+        batch_size=args.batch_size,
+        shuffle=True,
+        num_workers=args.num_workers,
+        pin_memory=True,
+        collate_fn=collate,
+    )
+    return loader, None
+
+
+def prepare_easy_vqa(data, tokenizer, size, args):
+    """mm_fusion's preprocessing of easy-VQA rows (a Dataset or the DatasetDict)."""
+    from mm_fusion.data import prepare_dataset
+
+    return prepare_dataset(
+        data,
+        tokenizer,
+        image_column="image",
+        text_column="question",
+        id_column="id",
+        label_column="answer",
+        image_size=size,
+        num_proc=args.num_workers,
+    )
+
+
+def mm_fusion_loader(dataset, tokenizer, size, args, grouped=False, num_workers=0):
+    import torch
+    from transformers.trainer_pt_utils import LengthGroupedSampler
+
+    from mm_fusion.data import ImageTextCollator
+    from mm_fusion.modeling_mm_fusion import normalize_uint8_pixels
+
+    prepared = prepare_easy_vqa(dataset, tokenizer, size, args)
+    generator = torch.Generator().manual_seed(args.seed)
+    sampler = (
+        LengthGroupedSampler(args.batch_size, lengths=list(prepared.pairs["length"]), generator=generator)
+        if grouped
+        else None
+    )
+    loader = torch.utils.data.DataLoader(
+        prepared.pairs,
+        batch_size=args.batch_size,
+        shuffle=sampler is None,
+        sampler=sampler,
+        num_workers=num_workers,
+        persistent_workers=num_workers > 0,
+        pin_memory=torch.cuda.is_available(),  # only when there is a GPU to copy to: on a CPU it only costs
+        collate_fn=ImageTextCollator(prepared.images, pad_token_id=tokenizer.pad_token_id),
+    )
+
+    def to_model(batch):  # what the model does with uint8 input on its device
+        return {**batch, "pixel_values": normalize_uint8_pixels(batch["pixel_values"], IMAGENET_MEAN, IMAGENET_STD)}
+
+    return loader, to_model
+
+
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def run_trial(pipeline: str, size: int, tokenizer_dir: str, indices_file: str, args: BenchmarkArguments) -> dict:
+    """One trial, in this (fresh) process: start-up, then `epochs` epochs through the DataLoader."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from mm_fusion.data import load_easy_vqa
+
+    torch.manual_seed(args.seed)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    indices = json.load(open(indices_file))
+    with PeakRSS() as rss:
+        start = time.perf_counter()
+        if pipeline == "seed":
+            import easy_vqa
+
+            questions, answers, image_ids = easy_vqa.get_train_questions()
+            paths, names = easy_vqa.get_train_image_paths(), easy_vqa.get_answers()
+            rows = {
+                "image": [paths[image_ids[i]] for i in indices],
+                "question": [questions[i] for i in indices],
+                "answer": [names.index(answers[i]) for i in indices],
+            }
+            loader, to_model = seed_loader(rows, tokenizer, size, args)
+        else:
+            dataset = load_easy_vqa(["train"])["train"].select(indices)
+            if pipeline == "run_clip":
+                loader, to_model = run_clip_loader(dataset, tokenizer, size, args)
+            else:
+                workers = 0 if pipeline.endswith("no_workers") else args.num_workers
+                loader, to_model = mm_fusion_loader(
+                    dataset, tokenizer, size, args, pipeline.endswith("grouped"), workers
+                )
+        startup = time.perf_counter() - start
+        epoch_times, samples, tokens, padded = [], 0, 0, 0
+        for _ in range(args.epochs):
+            start, samples = time.perf_counter(), 0
+            for batch in loader:
+                samples += batch["input_ids"].shape[0]
+                tokens += batch["attention_mask"].numel()
+                padded += int((batch["attention_mask"] == 0).sum())
+            epoch_times.append(time.perf_counter() - start)
+    normalise_ms = 0.0
+    if batch["pixel_values"].dtype == torch.uint8:  # mm_fusion: time what the model does on its device, here on CPU
+        start = time.perf_counter()
+        for _ in range(20):
+            ready = to_model(batch)
+        normalise_ms = (time.perf_counter() - start) / 20 * 1000
+        assert ready["pixel_values"].dtype == torch.float32
+    assert batch["pixel_values"].shape[-1] == size
+    return {
+        "pipeline": pipeline,
+        "image_size": size,
+        "samples_per_epoch": samples,
+        "startup_s": startup,
+        "epoch_s": epoch_times,
+        "steady_samples_per_s": statistics.median(samples / t for t in epoch_times[1:]),
+        "normalise_ms_per_batch": normalise_ms,
+        "cold_first_epoch_s": startup + epoch_times[0],
+        "padded_token_fraction": padded / tokens,
+        "peak_rss_mib": rss.peak / 2**20,
+    }
+
+
+def run_startup(size: int, tokenizer_dir: str, args: BenchmarkArguments) -> dict:
+    """Time `prepare_dataset` on all of easy-VQA (train + test) in this process (cold or warm, by the cache)."""
+    from transformers import AutoTokenizer
+
+    from mm_fusion.data import load_easy_vqa
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    start = time.perf_counter()
+    data = load_easy_vqa()
+    prepared = prepare_easy_vqa(data, tokenizer, size, args)
+    return {
+        "startup_s": time.perf_counter() - start,
+        "pairs": sum(len(s) for s in prepared.pairs.values()),
+        "images": len(prepared.images),
+    }
+
+
+def _subprocess(mode: str, payload: dict, cache_dir: str) -> dict:
+    """Run one measurement in a new Python process with its own datasets cache; returns its JSON result."""
+    env = {**os.environ, "HF_DATASETS_CACHE": cache_dir, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    command = [sys.executable, os.path.abspath(__file__), "--_worker", mode, json.dumps(payload)]
+    run = subprocess.run(command, env=env, capture_output=True, text=True)
+    if run.returncode != 0:
+        raise RuntimeError(f"{mode} trial failed:\n{run.stderr[-4000:]}")
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def _summary(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def _fmt(stat: dict, digits: int = 0) -> str:
+    return f"{stat['median']:.{digits}f} ({stat['min']:.{digits}f}–{stat['max']:.{digits}f})"
+
+
+def main(argv: list[str] | None = None) -> dict:
+    (args,) = HfArgumentParser(BenchmarkArguments).parse_args_into_dataclasses(args=argv)
+    unknown = set(args.pipelines) - set(PIPELINES)
+    if unknown:
+        raise ValueError(f"Unknown pipelines {sorted(unknown)}; choose from {list(PIPELINES)}.")
+    import easy_vqa
+    import torch
+
+    from mm_fusion import train_tokenizer
+
+    work = tempfile.mkdtemp(prefix="mm_fusion_benchmark_")
+    questions = easy_vqa.get_train_questions()[0]
+    tokenizer_dir = os.path.join(work, "tokenizer")
+    train_tokenizer(questions).save_pretrained(tokenizer_dir)
+    indices = np.random.default_rng(args.seed).choice(len(questions), args.num_samples, replace=False).tolist()
+    indices_file = os.path.join(work, "indices.json")
+    json.dump(indices, open(indices_file, "w"))
+
+    trials, startups = [], []
+    for size in args.image_sizes:
+        for repeat in range(args.repeats):
+            order = args.pipelines[repeat % len(args.pipelines) :] + args.pipelines[: repeat % len(args.pipelines)]
+            for pipeline in order:
+                payload = {"pipeline": pipeline, "size": size, "tokenizer": tokenizer_dir, "indices": indices_file}
+                result = _subprocess("trial", {**payload, "args": asdict(args)}, tempfile.mkdtemp(dir=work))
+                trials.append(result)
+                steady, cold = result["steady_samples_per_s"], result["cold_first_epoch_s"]
+                print(
+                    f"{size}px {pipeline:>17}: {steady:7.0f} samples/s steady, cold first epoch {cold:6.1f} s, "
+                    f"padded {result['padded_token_fraction']:.1%}",
+                    flush=True,
+                )
+        for _ in range(args.startup_repeats):
+            cache = tempfile.mkdtemp(dir=work)
+            payload = {"size": size, "tokenizer": tokenizer_dir, "args": asdict(args)}
+            cold, warm = _subprocess("startup", payload, cache), _subprocess("startup", payload, cache)
+            startups.append({"image_size": size, "cold_s": cold["startup_s"], "warm_s": warm["startup_s"], **cold})
+            print(f"{size}px start-up: cold {cold['startup_s']:.2f} s, warm {warm['startup_s']:.2f} s", flush=True)
+
+    rows = []
+    for size in args.image_sizes:
+        seed = [t["steady_samples_per_s"] for t in trials if t["image_size"] == size and t["pipeline"] == "seed"]
+        clip = [t["steady_samples_per_s"] for t in trials if t["image_size"] == size and t["pipeline"] == "run_clip"]
+        for pipeline in args.pipelines:
+            mine = [t for t in trials if t["image_size"] == size and t["pipeline"] == pipeline]
+            speed = [t["steady_samples_per_s"] for t in mine]
+            rows.append(
+                {
+                    "image_size": size,
+                    "pipeline": pipeline,
+                    "steady_samples_per_s": _summary(speed),
+                    "vs_seed": statistics.median(speed) / statistics.median(seed) if seed else None,
+                    "vs_run_clip": statistics.median(speed) / statistics.median(clip) if clip else None,
+                    "cold_first_epoch_s": _summary([t["cold_first_epoch_s"] for t in mine]),
+                    "startup_s": _summary([t["startup_s"] for t in mine]),
+                    "padded_token_fraction": statistics.median(t["padded_token_fraction"] for t in mine),
+                    "normalise_ms_per_batch": statistics.median(t["normalise_ms_per_batch"] for t in mine),
+                    "peak_rss_mib": _summary([t["peak_rss_mib"] for t in mine]),
+                }
+            )
+    startup_rows = []
+    for size in args.image_sizes:
+        runs = [s for s in startups if s["image_size"] == size]
+        if runs:
+            startup_rows.append(
+                {
+                    "image_size": size,
+                    "cold_s": _summary([s["cold_s"] for s in runs]),
+                    "warm_s": _summary([s["warm_s"] for s in runs]),
+                    "speedup": statistics.median(s["cold_s"] / s["warm_s"] for s in runs),
+                    "pairs": runs[0]["pairs"],
+                    "images": runs[0]["images"],
+                }
+            )
+
+    machine = f"{os.cpu_count()} cores, {psutil.virtual_memory().total / 2**30:.0f} GiB, torch {torch.__version__}"
+    table = [
+        f"easy-VQA, {args.num_samples} questions, batch {args.batch_size}, {args.num_workers} workers, "
+        f"{args.epochs} epochs x {args.repeats} interleaved trials; {machine}. Medians (min–max).",
+        "",
+        "| size | pipeline | steady samples/s | vs seed | vs run_clip | cold first epoch (s) | padded tokens "
+        "| peak memory (MiB) | model-side normalisation on CPU (ms/batch) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        ratio = {k: f"{r[k]:.1f}x" if r[k] is not None else "–" for k in ("vs_seed", "vs_run_clip")}
+        table.append(
+            f"| {r['image_size']} | {r['pipeline']} | {_fmt(r['steady_samples_per_s'])} | {ratio['vs_seed']} "
+            f"| {ratio['vs_run_clip']} | {_fmt(r['cold_first_epoch_s'], 1)} | {r['padded_token_fraction']:.1%} "
+            f"| {_fmt(r['peak_rss_mib'])} | {r['normalise_ms_per_batch']:.1f} |"
+        )
+    if startup_rows:
+        table += [
+            "",
+            "Start-up of `prepare_dataset` on all of easy-VQA (load + validate + preprocess; new process each time):",
+            "",
+            "| size | pairs | distinct images | first start-up (s) | second start-up (s) | speed-up |",
+            "|---|---|---|---|---|---|",
+        ]
+        for r in startup_rows:
+            table.append(
+                f"| {r['image_size']} | {r['pairs']} | {r['images']} | {_fmt(r['cold_s'], 2)} "
+                f"| {_fmt(r['warm_s'], 2)} | {r['speedup']:.0f}x |"
+            )
+    markdown = "\n".join(table)
+    print("\n" + markdown)
+    report = {"arguments": asdict(args), "machine": machine, "rows": rows, "startup": startup_rows}
+    report |= {"trials": trials, "startup_trials": startups}
+    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
+    with open(args.output + ".json", "w") as f:
+        json.dump(report, f, indent=2)
+    with open(args.output + ".md", "w") as f:
+        f.write(markdown + "\n")
+    return report
+
+
+def _worker(mode: str, payload: str) -> None:
+    payload = json.loads(payload)
+    args = BenchmarkArguments(**payload["args"])
+    if mode == "trial":
+        result = run_trial(payload["pipeline"], payload["size"], payload["tokenizer"], payload["indices"], args)
+    else:
+        result = run_startup(payload["size"], payload["tokenizer"], args)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 4 and sys.argv[1] == "--_worker":
+        _worker(sys.argv[2], sys.argv[3])
+    else:
+        main()
