@@ -8,6 +8,7 @@ from transformers.models.auto.modeling_auto import MODEL_MAPPING
 
 
 FUSION_TYPES = ("hierarchical", "cross_attention", "late")
+FUSION_DIRECTIONS = ("bidirectional", "text_to_image")
 POOLING_MODES = ("mean", "cls")
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -92,6 +93,11 @@ class MMFusionConfig(PretrainedConfig):
             `"late"`: no cross-modal attention, pooled tower features and projections only (dual encoder).
         fusion_hidden_size (`int`, *optional*):
             Width of the fusion layers. Defaults to the text tower's `hidden_size`.
+        fusion_direction (`str`, *optional*, defaults to `"bidirectional"`):
+            `"bidirectional"`: co-attention, text attends to image and image to text in every fusion layer;
+            `"text_to_image"`: only the text attends to the image (the image stream is bridged but not updated), so
+            the image keys / values are computed once per image and shared by all its texts: with batches grouped by
+            image (several questions per image) the fusion costs a fraction.
         num_fusion_layers (`int`, *optional*, defaults to 2):
             Number of co-attention layers (ignored by `"late"`).
         fusion_num_attention_heads (`int`, *optional*):
@@ -120,6 +126,10 @@ class MMFusionConfig(PretrainedConfig):
             Initial value of the learnable contrastive temperature, as log(1 / 0.07) in CLIP.
         max_logit_scale (`float`, *optional*, defaults to 100.0):
             The contrastive logit scale is clamped to at most this value.
+        itc_loss_weight (`float`, *optional*, defaults to 1.0):
+            Weight of the image-text contrastive loss in the pretraining loss.
+        itm_loss_weight (`float`, *optional*, defaults to 1.0):
+            Weight of the image-text matching loss in the pretraining loss; 0 skips the matching head's forward.
         classifier_hidden_size (`int`, *optional*):
             Hidden width of the classification and matching heads. Defaults to twice their input width.
         classifier_dropout (`float`, *optional*, defaults to 0.1):
@@ -155,6 +165,7 @@ class MMFusionConfig(PretrainedConfig):
         text_config: PretrainedConfig | dict | None = None,
         fusion_type: str = "hierarchical",
         fusion_hidden_size: int | None = None,
+        fusion_direction: str = "bidirectional",
         num_fusion_layers: int = 2,
         fusion_num_attention_heads: int | None = None,
         fusion_intermediate_size: int | None = None,
@@ -168,6 +179,8 @@ class MMFusionConfig(PretrainedConfig):
         projection_dim: int = 256,
         logit_scale_init_value: float = 2.6592,
         max_logit_scale: float = 100.0,
+        itc_loss_weight: float = 1.0,
+        itm_loss_weight: float = 1.0,
         classifier_hidden_size: int | None = None,
         classifier_dropout: float = 0.1,
         initializer_range: float = 0.02,
@@ -184,7 +197,12 @@ class MMFusionConfig(PretrainedConfig):
         _check_tower_config(self.vision_config, "vision")
         _check_tower_config(self.text_config, "text")
 
+        if fusion_direction not in FUSION_DIRECTIONS:
+            raise ValueError(
+                f"Unknown fusion_direction {fusion_direction!r}; valid values are {', '.join(FUSION_DIRECTIONS)}."
+            )
         self.fusion_type = fusion_type
+        self.fusion_direction = fusion_direction
         self.fusion_hidden_size = fusion_hidden_size or self.text_config.hidden_size
         self.num_fusion_layers = num_fusion_layers
         self.fusion_num_attention_heads = fusion_num_attention_heads or getattr(
@@ -208,6 +226,13 @@ class MMFusionConfig(PretrainedConfig):
         self.projection_dim = projection_dim
         self.logit_scale_init_value = logit_scale_init_value
         self.max_logit_scale = max_logit_scale
+        if itc_loss_weight < 0 or itm_loss_weight < 0 or itc_loss_weight + itm_loss_weight == 0:
+            raise ValueError(
+                f"itc_loss_weight ({itc_loss_weight}) and itm_loss_weight ({itm_loss_weight}) must be >= 0 and not "
+                "both 0."
+            )
+        self.itc_loss_weight = itc_loss_weight
+        self.itm_loss_weight = itm_loss_weight
         self.classifier_hidden_size = classifier_hidden_size
         self.classifier_dropout = classifier_dropout
         self.initializer_range = initializer_range

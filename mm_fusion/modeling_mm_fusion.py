@@ -76,11 +76,12 @@ class MMFusionForPretrainingOutput(ModelOutput):
 
     Args:
         loss (`torch.FloatTensor` of shape `()`, returned when `return_loss=True`):
-            `itc_loss + itm_loss`.
+            `itc_loss_weight * itc_loss + itm_loss_weight * itm_loss` (see [`MMFusionConfig`]).
         itc_loss (`torch.FloatTensor` of shape `()`):
             Symmetric image-text contrastive loss.
         itm_loss (`torch.FloatTensor` of shape `()`):
-            Image-text matching loss over the positive pairs and one hard negative per image and per text.
+            Image-text matching loss over the positive pairs and one hard negative per image and per text (`None`
+            when `itm_loss_weight` is 0).
         logits_per_image (`torch.FloatTensor` of shape `(batch_size, G)`):
             Scaled cosine similarity of each local image with every text of the global batch.
         logits_per_text (`torch.FloatTensor` of shape `(batch_size, G)`):
@@ -161,13 +162,21 @@ class MMFusionAttention(nn.Module):
         self.out_proj = nn.Linear(hidden_size, hidden_size)
 
     def forward(
-        self, hidden_states: torch.Tensor, context: torch.Tensor, context_mask: torch.Tensor | None = None
+        self,
+        hidden_states: torch.Tensor,
+        context: torch.Tensor,
+        context_mask: torch.Tensor | None = None,
+        context_index: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """`context_index` (shape `(B,)`) picks each query's row of `context`: keys / values are projected once per
+        distinct context (e.g. once per image) and shared by every query that reads it."""
         B, T, D = hidden_states.shape  # batch size, query length, hidden size
-        S = context.shape[1]  # key length
+        N, S = context.shape[:2]  # number of contexts (B, or fewer when shared), key length
         q = self.q_proj(hidden_states).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)  # (B, H, T, Dh)
-        k = self.k_proj(context).view(B, S, self.num_heads, self.head_dim).transpose(1, 2)  # (B, H, S, Dh)
-        v = self.v_proj(context).view(B, S, self.num_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(context).view(N, S, self.num_heads, self.head_dim).transpose(1, 2)  # (N, H, S, Dh)
+        v = self.v_proj(context).view(N, S, self.num_heads, self.head_dim).transpose(1, 2)
+        if context_index is not None:
+            k, v = k[context_index], v[context_index]  # (B, H, S, Dh)
         # Padding keys are masked out; True = attend. (B, 1, 1, S) broadcasts over heads and queries.
         attn_mask = context_mask[:, None, None, :].bool() if context_mask is not None else None
         out = F.scaled_dot_product_attention(
@@ -201,26 +210,38 @@ class MMFusionStreamBlock(nn.Module):
         context: torch.Tensor,
         self_mask: torch.Tensor | None,
         context_mask: torch.Tensor | None,
+        context_index: torch.Tensor | None = None,
     ) -> torch.Tensor:
         x = self.self_attn_norm(hidden_states)
         hidden_states = hidden_states + self.dropout(self.self_attn(x, x, self_mask))
         x = self.cross_attn_norm(hidden_states)
-        hidden_states = hidden_states + self.dropout(self.cross_attn(x, self.context_norm(context), context_mask))
+        context = self.context_norm(context)
+        hidden_states = hidden_states + self.dropout(self.cross_attn(x, context, context_mask, context_index))
         return hidden_states + self.dropout(self.mlp(self.mlp_norm(hidden_states)))
 
 
 class MMFusionCoAttentionLayer(GradientCheckpointingLayer):
-    """Text attends to image and image attends to text, in parallel, each stream from the layer's input states."""
+    """
+    Text attends to image and image attends to text, in parallel, each stream from the layer's input states. With
+    `fusion_direction="text_to_image"` only the text stream attends (to image states shared by all the texts of an
+    image) and the image states pass through.
+    """
 
     def __init__(self, config: MMFusionConfig):
         super().__init__()
         self.text_block = MMFusionStreamBlock(config)
-        self.image_block = MMFusionStreamBlock(config)
+        self.image_block = MMFusionStreamBlock(config) if config.fusion_direction == "bidirectional" else None
 
     def forward(
-        self, text_states: torch.Tensor, image_states: torch.Tensor, text_mask: torch.Tensor | None
+        self,
+        text_states: torch.Tensor,
+        image_states: torch.Tensor,
+        text_mask: torch.Tensor | None,
+        image_index: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        text_out = self.text_block(text_states, image_states, self_mask=text_mask, context_mask=None)
+        text_out = self.text_block(text_states, image_states, text_mask, None, context_index=image_index)
+        if self.image_block is None:
+            return text_out, image_states
         image_out = self.image_block(image_states, text_states, self_mask=None, context_mask=text_mask)
         return text_out, image_out
 
@@ -250,8 +271,13 @@ class MMFusionEncoder(nn.Module):
         self.image_norm = nn.LayerNorm(hidden_size, eps=eps)
 
     def forward(
-        self, text_features: list[torch.Tensor], image_features: list[torch.Tensor], text_mask: torch.Tensor | None
+        self,
+        text_features: list[torch.Tensor],
+        image_features: list[torch.Tensor],
+        text_mask: torch.Tensor | None,
+        image_index: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`image_index` (text_to_image only): each text's row of the image features, which stay one per image."""
         modality = self.modality_embeddings.weight
         text = self.text_bridge_norms[0](self.text_bridges[0](text_features[0]) + modality[0])
         image = self.image_bridge_norms[0](self.image_bridges[0](image_features[0]) + modality[1])
@@ -259,7 +285,7 @@ class MMFusionEncoder(nn.Module):
             if 0 < k < len(self.text_bridges):
                 text = self.text_bridge_norms[k](text + self.text_bridges[k](text_features[k]))
                 image = self.image_bridge_norms[k](image + self.image_bridges[k](image_features[k]))
-            text, image = layer(text, image, text_mask)
+            text, image = layer(text, image, text_mask, image_index)
         return self.text_norm(text), self.image_norm(image)
 
 
@@ -297,6 +323,30 @@ class MMFusionPreTrainedModel(PreTrainedModel):
     supports_gradient_checkpointing = True
     _supports_sdpa = True
     _no_split_modules = ["MMFusionCoAttentionLayer"]
+    # The heads' losses are means over their own batch and ignore `num_items_in_batch`. Trainer would otherwise see
+    # `**kwargs` in `forward`, take the losses as sums, skip the division by gradient-accumulation steps and multiply
+    # by the number of processes: gradients `gradient_accumulation_steps` or `world_size` times too large.
+    accepts_loss_kwargs = False
+
+    def floating_point_ops(self, input_dict: dict, exclude_embeddings: bool = True) -> int:
+        """
+        Training FLOPs of one batch (6 x parameters x tokens, per part of the model): the vision tower over the
+        patches of each distinct image, the text tower over the text tokens, the rest over every fused pair. The
+        default counts only the text tokens; this feeds Trainer's `total_flos` and the MFU estimate.
+        """
+        pixel_values, input_ids = input_dict.get("pixel_values"), input_dict.get("input_ids")
+        if pixel_values is None or input_ids is None:
+            return super().floating_point_ops(input_dict, exclude_embeddings)
+        base = getattr(self, self.base_model_prefix, self)
+        vision = base.vision_model.num_parameters(exclude_embeddings=exclude_embeddings)
+        text = base.text_model.num_parameters(exclude_embeddings=exclude_embeddings)
+        rest = self.num_parameters(exclude_embeddings=exclude_embeddings) - vision - text
+        vision_config = self.config.vision_config
+        patches = (pixel_values.shape[-1] // getattr(vision_config, "patch_size", 16)) ** 2 + 1
+        mask = input_dict.get("attention_mask")
+        tokens = int(mask.sum()) if mask is not None else input_ids.numel()
+        pairs = input_ids.shape[0]
+        return 6 * (vision * pixel_values.shape[0] * patches + text * tokens + rest * (tokens + pairs * patches))
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module):
@@ -484,7 +534,10 @@ class MMFusionModel(MMFusionPreTrainedModel):
         the N fused pairs, so one image's tower features serve every question about it and hard negatives reuse
         the towers' work.
         """
-        if image_index is not None:
+        # One-way fusion keeps one set of image features per image (shared keys / values); otherwise each pair
+        # needs its own copy, since its image stream is updated by its text.
+        shared = self.config.fusion_direction == "text_to_image" and not self.is_late
+        if image_index is not None and not shared:
             image_features = [f[image_index] for f in image_features]
         if text_index is not None:
             text_features = [f[text_index] for f in text_features]
@@ -496,9 +549,12 @@ class MMFusionModel(MMFusionPreTrainedModel):
             image_pooled = self.visual_projection(pool(image_hidden, None, mode))
             pooler_output = torch.cat([image_pooled, text_pooled, image_pooled * text_pooled], dim=-1)
         else:
-            text_hidden, image_hidden = self.encoder(text_features, image_features, attention_mask)
+            index = image_index if shared else None
+            text_hidden, image_hidden = self.encoder(text_features, image_features, attention_mask, index)
             text_pooled = pool(text_hidden, attention_mask, mode)
             image_pooled = pool(image_hidden, None, mode)
+            if index is not None:
+                image_hidden, image_pooled = image_hidden[index], image_pooled[index]
             pooler_output = torch.cat([text_pooled, image_pooled], dim=-1)
         return MMFusionModelOutput(
             text_hidden_state=text_hidden,
@@ -750,8 +806,31 @@ class MMFusionForPretraining(MMFusionPreTrainedModel):
         targets = idx + offset
         itc_loss = (F.cross_entropy(logits_per_image, targets) + F.cross_entropy(logits_per_text, targets)) / 2
 
-        # ITM: the B positive pairs, then each image with a hard negative text, then each text with a hard negative
-        # image, fused in one pass over tower features computed once.
+        loss = self.config.itc_loss_weight * itc_loss
+        itm_loss = itm_logits = None
+        if self.config.itm_loss_weight > 0:
+            itm_loss, itm_logits = self._itm(
+                base, image_features, text_features, attention_mask, image_embeds, text_embeds
+            )
+            loss = loss + self.config.itm_loss_weight * itm_loss
+        return MMFusionForPretrainingOutput(
+            loss=loss,
+            itc_loss=itc_loss,
+            itm_loss=itm_loss,
+            logits_per_image=logits_per_image,
+            logits_per_text=logits_per_text,
+            itm_logits=itm_logits,
+            image_embeds=image_embeds,
+            text_embeds=text_embeds,
+        )
+
+    def _itm(self, base, image_features, text_features, attention_mask, image_embeds, text_embeds):
+        """
+        ITM loss over the B positive pairs, each image with a hard negative text and each text with a hard negative
+        image, fused in one pass over tower features computed once; returns it and the positives' logits.
+        """
+        B = image_embeds.shape[0]
+        idx = torch.arange(B, device=image_embeds.device)
         if B > 1:
             negative_text, negative_image = self._hard_negatives(image_embeds, text_embeds)
             image_index = torch.cat([idx, idx, negative_image])
@@ -763,17 +842,7 @@ class MMFusionForPretraining(MMFusionPreTrainedModel):
         )
         all_itm_logits = self.itm_head(fused.pooler_output)
         itm_labels = (image_index == text_index).long()
-        itm_loss = F.cross_entropy(all_itm_logits, itm_labels)
-        return MMFusionForPretrainingOutput(
-            loss=itc_loss + itm_loss,
-            itc_loss=itc_loss,
-            itm_loss=itm_loss,
-            logits_per_image=logits_per_image,
-            logits_per_text=logits_per_text,
-            itm_logits=all_itm_logits[:B],
-            image_embeds=image_embeds,
-            text_embeds=text_embeds,
-        )
+        return F.cross_entropy(all_itm_logits, itm_labels), all_itm_logits[:B]
 
     @torch.no_grad()
     def _hard_negatives(

@@ -141,10 +141,11 @@ def test_batch_invariance(tester, fusion_type, head):
         torch.testing.assert_close(itm[1:2], itm_alone, atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("direction", ["bidirectional", "text_to_image"])
 @pytest.mark.parametrize("fusion_type", FUSION_TYPES)
-def test_shared_images_match_repeated_images(tester, fusion_type):
+def test_shared_images_match_repeated_images(tester, fusion_type, direction):
     """`image_index` lets questions share one encoded image; results equal passing the image once per question."""
-    model = MMFusionForImageTextClassification(tester.config(fusion_type)).eval()
+    model = MMFusionForImageTextClassification(tester.config(fusion_type, fusion_direction=direction)).eval()
     inputs = tester.inputs(batch_size=4)
     images = inputs["pixel_values"][:2]
     image_index = torch.tensor([0, 1, 1, 0])
@@ -152,6 +153,19 @@ def test_shared_images_match_repeated_images(tester, fusion_type):
         shared = model(**{**inputs, "pixel_values": images}, image_index=image_index).logits
         repeated = model(**{**inputs, "pixel_values": images[image_index]}).logits
     torch.testing.assert_close(shared, repeated, atol=1e-5, rtol=1e-4)
+
+
+def test_text_to_image_fusion_has_no_image_stream_and_trains(tester):
+    config = tester.config("hierarchical", fusion_direction="text_to_image")
+    model = MMFusionForPretraining(config)
+    assert all(layer.image_block is None for layer in model.mm_fusion.encoder.layers)
+    inputs = tester.inputs(batch_size=4)
+    out = model(**inputs, return_loss=True)
+    out.loss.backward()
+    assert out.itm_logits.shape == (4, 2)
+    assert model.mm_fusion.encoder.layers[0].text_block.cross_attn.k_proj.weight.grad.abs().sum() > 0
+    with pytest.raises(ValueError, match="fusion_direction"):
+        tester.config(fusion_direction="image_to_text")
 
 
 @pytest.mark.parametrize("fusion_type", FUSION_TYPES)

@@ -70,9 +70,13 @@ class ImageTextCollator:
         check_alignment (`bool`, *optional*, defaults to `True`):
             Check that every image read for the batch is the one its pair was linked to at preprocessing (by its key)
             and raise [`AlignmentError`] otherwise. It costs one string comparison per sample.
+        blank (`str`, *optional*):
+            For ablations: `"image"` replaces every image with a black one (the model sees the text only), `"text"`
+            keeps only the first and last token of every text (e.g. `[CLS] [SEP]`: the model sees the image only).
 
     Returns a dict with `pixel_values` (uint8), `image_index` (when sharing), `input_ids`, `attention_mask`,
-    `labels` (when the pairs have them) and `sample_ids` (a list of str, ignored by the model).
+    `labels` (when the pairs have them), and, ignored by the model, `image_rows` (each pair's row of the images
+    table: its image's identity, e.g. for retrieval metrics) and `sample_ids` (a list of str).
     """
 
     def __init__(
@@ -83,7 +87,10 @@ class ImageTextCollator:
         share_images: bool = True,
         image_transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
         check_alignment: bool = True,
+        blank: str | None = None,
     ):
+        if blank not in (None, "image", "text"):
+            raise ValueError(f"blank must be None, 'image' or 'text', got {blank!r}.")
         missing = {"image_key", "pixel_values"} - set(images.column_names)
         if missing:
             raise ValueError(
@@ -96,6 +103,7 @@ class ImageTextCollator:
         self.share_images = share_images
         self.image_transform = image_transform
         self.check_alignment = check_alignment
+        self.blank = blank
 
     def __call__(self, features: list[dict[str, Any]]) -> dict[str, Any]:
         missing = {"id", "image_index", "image_key", "input_ids"} - set(features[0])
@@ -116,16 +124,22 @@ class ImageTextCollator:
         uint8_pixels(table.column("pixel_values"), self.image_shape, out=pixel_values.numpy())
         if self.image_transform is not None:
             pixel_values = torch.stack([self.image_transform(image) for image in pixel_values])
+        if self.blank == "image":
+            pixel_values.zero_()
         batch = {"pixel_values": pixel_values}
         if self.share_images:
             batch["image_index"] = image_index
         elif len(unique_rows) < len(rows):
             batch["pixel_values"] = pixel_values[image_index]
-        batch.update(self._pad([f["input_ids"] for f in features]))
+        texts = [f["input_ids"] for f in features]
+        if self.blank == "text":
+            texts = [[t[0], t[-1]] if len(t) > 1 else list(t) for t in texts]
+        batch.update(self._pad(texts))
         if "labels" in features[0]:
             labels = [f["labels"] for f in features]
             dtype = torch.float32 if isinstance(labels[0], (list, tuple, np.ndarray)) else torch.long
             batch["labels"] = torch.tensor(np.asarray(labels), dtype=dtype)
+        batch["image_rows"] = torch.tensor(rows, dtype=torch.long)
         batch["sample_ids"] = sample_ids
         return batch
 

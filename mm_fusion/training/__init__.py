@@ -1,0 +1,44 @@
+"""Training with `Trainer` / Accelerate: arguments, trainer, monitor, metrics and model card of `scripts/train.py`.
+
+Not imported by `mm_fusion` itself: the library never pulls in the training stack (open_clip's split).
+"""
+
+from .arguments import DataArguments, MMFusionTrainingArguments, ModelArguments
+from .builders import (
+    build_config,
+    check_columns,
+    check_resume_path,
+    encode_labels,
+    load_raw_datasets,
+    model_class,
+    parse_overrides,
+)
+from .callbacks import MMFusionMonitorCallback, add_monitor
+from .launch import check_launch, model_card_context
+from .metrics import load_metric
+from .model_card import plot_training_curves, write_model_card
+from .sampler import MMFusionImageGroupedSampler
+from .trainer import MMFusionTrainer
+
+
+__all__ = [
+    "DataArguments",
+    "MMFusionImageGroupedSampler",
+    "MMFusionMonitorCallback",
+    "MMFusionTrainer",
+    "MMFusionTrainingArguments",
+    "ModelArguments",
+    "add_monitor",
+    "build_config",
+    "check_columns",
+    "check_launch",
+    "check_resume_path",
+    "encode_labels",
+    "load_metric",
+    "load_raw_datasets",
+    "model_card_context",
+    "model_class",
+    "parse_overrides",
+    "plot_training_curves",
+    "write_model_card",
+]

@@ -1,0 +1,182 @@
+"""Argument dataclasses of `scripts/train.py`, parsed with `HfArgumentParser` from flags or a YAML / JSON file."""
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+from transformers import TrainingArguments
+
+
+TASKS = ("vqa", "classify", "pretrain")
+ABLATIONS = ("none", "image_only", "text_only")
+
+
+@dataclass
+class ModelArguments:
+    task: str = field(
+        default="vqa",
+        metadata={
+            "help": "vqa: answer classification (default); classify: any image-text classification; pretrain: "
+            "contrastive (ITC) + matching (ITM) pretraining, evaluated by retrieval Recall@K."
+        },
+    )
+    model_name_or_path: str | None = field(
+        default=None, metadata={"help": "An MMFusion checkpoint (directory or hub id) to start from."}
+    )
+    vision_model_name_or_path: str | None = field(
+        default=None, metadata={"help": "A pretrained vision tower (e.g. a ViT / CLIP vision / SigLIP checkpoint)."}
+    )
+    text_model_name_or_path: str | None = field(
+        default=None, metadata={"help": "A pretrained text tower (e.g. a BERT checkpoint); its tokenizer is used."}
+    )
+    tokenizer_name_or_path: str | None = field(
+        default=None,
+        metadata={"help": "Tokenizer to use. By default: the text tower's, or one trained on the training texts."},
+    )
+    vocab_size: int = field(default=8000, metadata={"help": "Upper bound of a tokenizer trained on the texts."})
+    fusion_type: str = field(default="hierarchical", metadata={"help": "hierarchical, cross_attention or late."})
+    fusion_direction: str = field(
+        default="text_to_image",
+        metadata={
+            "help": "text_to_image (image keys / values computed once per image and shared by its texts: with "
+            "batches grouped by image, ~2x faster here) or bidirectional (co-attention)."
+        },
+    )
+    hidden_size: int = field(default=128, metadata={"help": "Width of towers built from scratch and of the fusion."})
+    num_attention_heads: int = field(default=4, metadata={"help": "Attention heads of towers built from scratch."})
+    vision_layers: int = field(default=4, metadata={"help": "Layers of a vision tower built from scratch."})
+    text_layers: int = field(default=2, metadata={"help": "Layers of a text tower built from scratch."})
+    fusion_layers: int = field(default=2, metadata={"help": "Co-attention layers (ignored by late fusion)."})
+    patch_size: int = field(default=8, metadata={"help": "Patch size of a vision tower built from scratch."})
+    dropout: float = field(default=0.1, metadata={"help": "Dropout of towers built from scratch and of the fusion."})
+    itm_loss_weight: float = field(default=1.0, metadata={"help": "pretrain: weight of the ITM loss (0 = ITC only)."})
+    config_overrides: str | None = field(
+        default=None,
+        metadata={"help": "Extra MMFusionConfig settings, as `key=value,key=value` (e.g. `projection_dim=64`)."},
+    )
+
+    def __post_init__(self):
+        if self.task not in TASKS:
+            raise ValueError(f"--task must be one of {', '.join(TASKS)}, got {self.task!r}.")
+
+
+@dataclass
+class DataArguments:
+    dataset: str = field(
+        default="easy_vqa",
+        metadata={
+            "help": "easy_vqa (bundled, offline), a json/jsonl/csv file of pairs, an imagefolder directory with "
+            "metadata.jsonl, or a hub dataset name."
+        },
+    )
+    eval_dataset: str | None = field(
+        default=None, metadata={"help": "A separate file / directory of evaluation pairs (same columns)."}
+    )
+    train_split: str = field(default="train", metadata={"help": "Training split of a hub / easy_vqa dataset."})
+    eval_split: str | None = field(
+        default="test", metadata={"help": "Evaluation split of a hub / easy_vqa dataset (empty: none)."}
+    )
+    validation_split_percentage: int | None = field(
+        default=None, metadata={"help": "Without an evaluation set: hold out this % of the training pairs."}
+    )
+    image_column: str | None = field(default=None, metadata={"help": "Image column (easy_vqa: image)."})
+    text_column: str | None = field(default=None, metadata={"help": "Text column (easy_vqa: question)."})
+    label_column: str | None = field(default=None, metadata={"help": "Label column for vqa / classify."})
+    id_column: str | None = field(default=None, metadata={"help": "Unique id column (default: the row number)."})
+    data_root: str | None = field(default=None, metadata={"help": "Directory relative image paths are under."})
+    image_size: int | None = field(
+        default=None, metadata={"help": "Images are resized to this (default: the vision tower's image_size, 64)."}
+    )
+    max_length: int = field(default=64, metadata={"help": "Texts are truncated to this many tokens."})
+    max_train_samples: int | None = field(default=None, metadata={"help": "Use only the first N training pairs."})
+    max_eval_samples: int | None = field(default=None, metadata={"help": "Use only the first N evaluation pairs."})
+    preprocessing_num_workers: int | None = field(default=None, metadata={"help": "num_proc of the cached maps."})
+    on_bad_sample: str = field(default="skip", metadata={"help": "skip (quarantine report) or error."})
+    augment: bool = field(
+        default=False,
+        metadata={"help": "Random horizontal / vertical flips of the training images, drawn anew every batch."},
+    )
+    ablation: str = field(
+        default="none",
+        metadata={"help": "none; image_only (texts blanked to [CLS] [SEP]); text_only (images blanked to black)."},
+    )
+
+    def __post_init__(self):
+        if self.ablation not in ABLATIONS:
+            raise ValueError(f"--ablation must be one of {', '.join(ABLATIONS)}, got {self.ablation!r}.")
+        if self.eval_split == "":
+            self.eval_split = None
+
+
+@dataclass
+class MMFusionTrainingArguments(TrainingArguments):
+    """`TrainingArguments` with defaults for this task and a few additions (marked below)."""
+
+    output_dir: str | None = field(
+        default="outputs/easy_vqa", metadata={"help": "Where checkpoints and the model go."}
+    )
+    remove_unused_columns: bool = field(
+        default=False, metadata={"help": "Must stay False: the collator reads the image rows and keys of each pair."}
+    )
+    learning_rate: float = field(default=3e-4, metadata={"help": "Peak AdamW learning rate."})
+    weight_decay: float = field(default=0.01, metadata={"help": "AdamW weight decay."})
+    warmup_steps: float = field(default=0.05, metadata={"help": "Warm-up steps (a float < 1: a fraction)."})
+    lr_scheduler_type: str = field(default="cosine", metadata={"help": "Learning-rate schedule."})
+    num_train_epochs: float = field(default=7.0, metadata={"help": "Training epochs."})
+    per_device_train_batch_size: int = field(default=64, metadata={"help": "Pairs per device per step."})
+    per_device_eval_batch_size: int = field(default=256, metadata={"help": "Pairs per device per evaluation step."})
+    eval_strategy: str = field(default="epoch", metadata={"help": "When to evaluate: no, steps or epoch."})
+    save_strategy: str = field(default="epoch", metadata={"help": "When to checkpoint: no, steps or epoch."})
+    save_total_limit: int | None = field(default=2, metadata={"help": "Checkpoints kept."})
+    logging_steps: float = field(default=50, metadata={"help": "Log every N steps."})
+    report_to: None | str | list[str] = field(default="none", metadata={"help": "tensorboard, wandb, ... or none."})
+    dataloader_num_workers: int = field(
+        default=-1,
+        metadata={
+            "help": "DataLoader workers; -1 sizes it to the machine: 0 without an accelerator (the collator only "
+            "copies from the memory-mapped cache, which worker hand-off would slow down), else up to 4 per device."
+        },
+    )
+    # Additions.
+    group_by_image: bool | None = field(
+        default=None,
+        metadata={
+            "help": "Batch the pairs of each image together, so each image is encoded once per batch. Default: on "
+            "for vqa / classify, off for pretrain (the pairs of one image would be each other's contrastive "
+            "negatives)."
+        },
+    )
+    early_stopping_patience: int | None = field(
+        default=None, metadata={"help": "Stop after this many evaluations without improvement (keeps the best)."}
+    )
+    data_wait_warning: float = field(
+        default=0.2, metadata={"help": "Warn when more than this fraction of step time waits for data."}
+    )
+    peak_tflops: float | None = field(
+        default=None, metadata={"help": "Peak TFLOP/s of one device for the MFU (default: looked up by GPU name)."}
+    )
+
+    def __post_init__(self):
+        has_accelerator = torch.accelerator.is_available() and not self.use_cpu
+        if self.dataloader_num_workers == -1:
+            if has_accelerator:
+                devices = max(1, torch.accelerator.device_count())
+                self.dataloader_num_workers = min(4, max(1, (os.cpu_count() or 1) // devices - 1))
+                self.dataloader_persistent_workers = True
+            else:
+                self.dataloader_num_workers = 0
+        if not has_accelerator:
+            self.dataloader_pin_memory = False  # pinned host memory only helps copies to an accelerator
+        if self.group_by_image and self.train_sampling_strategy == "group_by_length":
+            raise ValueError("group_by_image and train_sampling_strategy=group_by_length exclude each other.")
+        if self.early_stopping_patience is not None:
+            self.load_best_model_at_end = True
+            if self.save_strategy != self.eval_strategy:
+                self.save_strategy = self.eval_strategy
+        if self.fp16 and not has_accelerator:
+            raise ValueError("fp16 needs a GPU; on CPU use --bf16 (autocast where the CPU supports it) or fp32.")
+        if not torch.accelerator.is_available():
+            # Needed for bf16 autocast on a CPU, and for a torchrun launch on CPUs to form one multi-CPU group
+            # (otherwise each rank sets itself up as a lone process).
+            self.use_cpu = True
+        super().__post_init__()

@@ -1,0 +1,209 @@
+"""The pieces `scripts/train.py` assembles: datasets, labels, tokenizer, model and processor from the arguments."""
+
+import json
+import logging
+import os
+from pathlib import Path
+
+from datasets import ClassLabel, Dataset, DatasetDict, Value
+
+from ..configuration_mm_fusion import MMFusionConfig
+from ..data import load_easy_vqa, load_pairs
+from .arguments import DataArguments, ModelArguments
+
+
+logger = logging.getLogger(__name__)
+
+EASY_VQA_COLUMNS = {"image_column": "image", "text_column": "question", "label_column": "answer", "id_column": "id"}
+TEXT_TYPES = ("string", "large_string")
+
+
+def load_raw_datasets(data_args: DataArguments, seed: int = 42) -> DatasetDict:
+    """The training pairs and, when there are any, the evaluation pairs, as a `DatasetDict` with `train` / `eval`."""
+    if data_args.dataset == "easy_vqa":
+        splits = [data_args.train_split] + ([data_args.eval_split] if data_args.eval_split else [])
+        raw = load_easy_vqa(splits)
+        for key, value in EASY_VQA_COLUMNS.items():
+            if getattr(data_args, key) is None:
+                setattr(data_args, key, value)
+        data = {"train": raw[data_args.train_split]}
+        if data_args.eval_split:
+            data["eval"] = raw[data_args.eval_split]
+    else:
+        local = os.path.exists(data_args.dataset)
+        data = {"train": load_pairs(data_args.dataset, split=data_args.train_split if not local else "train")}
+        if data_args.eval_dataset:
+            data["eval"] = load_pairs(data_args.eval_dataset, split="train")
+        elif not local and data_args.eval_split:
+            data["eval"] = load_pairs(data_args.dataset, split=data_args.eval_split)
+    if "eval" not in data and data_args.validation_split_percentage:
+        parts = data["train"].train_test_split(test_size=data_args.validation_split_percentage / 100, seed=seed)
+        data = {"train": parts["train"], "eval": parts["test"]}
+    if data_args.max_train_samples is not None:
+        data["train"] = data["train"].select(range(min(data_args.max_train_samples, len(data["train"]))))
+    if "eval" in data and data_args.max_eval_samples is not None:
+        data["eval"] = data["eval"].select(range(min(data_args.max_eval_samples, len(data["eval"]))))
+    return DatasetDict(data)
+
+
+def check_columns(data: DatasetDict, data_args: DataArguments, task: str) -> None:
+    """Clear errors for missing, unknown or mistyped columns, before any work is done."""
+    needed = {"image_column": data_args.image_column, "text_column": data_args.text_column}
+    if task != "pretrain":
+        needed["label_column"] = data_args.label_column
+    for name, column in needed.items():
+        if column is None:
+            raise ValueError(
+                f"--{name} is required for task {task!r}; the columns of the training data are "
+                f"{data['train'].column_names}."
+            )
+    for split, dataset in data.items():
+        for name, column in [*needed.items(), ("id_column", data_args.id_column)]:
+            if column is not None and column not in dataset.column_names:
+                raise ValueError(
+                    f"--{name} {column!r} is not a column of the {split} data; available columns: "
+                    f"{dataset.column_names}."
+                )
+        feature = dataset.features[data_args.text_column]
+        if not (isinstance(feature, Value) and feature.dtype in TEXT_TYPES):
+            raise ValueError(
+                f"--text_column {data_args.text_column!r} must hold text, but its type in the {split} data is "
+                f"{feature}. Columns: {dataset.features}."
+            )
+
+
+def encode_labels(data: DatasetDict, label_column: str) -> tuple[DatasetDict, list[str]]:
+    """
+    Class indices for the label column of every split, with the label names. A `ClassLabel` column is kept; string
+    labels become a `ClassLabel` over the training labels (sorted), integer labels are taken as indices. Evaluation
+    labels the training data does not have are an error, since the head cannot predict them.
+    """
+    feature = data["train"].features[label_column]
+    if isinstance(feature, ClassLabel):
+        names = list(feature.names)
+    elif isinstance(feature, Value) and feature.dtype in TEXT_TYPES:
+        names = sorted(set(data["train"][label_column]))
+    elif isinstance(feature, Value) and feature.dtype.startswith(("int", "uint")):
+        labels = data["train"][label_column]
+        if min(labels) < 0:
+            raise ValueError(f"--label_column {label_column!r} has negative class indices ({min(labels)}).")
+        names = [str(i) for i in range(max(labels) + 1)]
+    else:
+        raise ValueError(
+            f"--label_column {label_column!r} must hold class names (text) or class indices (int), got {feature}."
+        )
+    class_label = ClassLabel(names=names)
+    encoded = {}
+    for split, dataset in data.items():
+        split_feature = dataset.features[label_column]
+        if split_feature == class_label:
+            encoded[split] = dataset
+            continue
+        if isinstance(split_feature, ClassLabel):
+            if list(split_feature.names) != names:
+                raise ValueError(
+                    f"The {split} data's label names {split_feature.names} differ from the training data's {names}."
+                )
+            encoded[split] = dataset
+            continue
+        values = set(dataset[label_column])
+        known = set(names) if isinstance(split_feature, Value) and split_feature.dtype in TEXT_TYPES else None
+        unknown = sorted(values - known) if known is not None else sorted(v for v in values if v >= len(names))
+        if unknown:
+            raise ValueError(
+                f"The {split} data has {len(unknown)} labels that the training data does not, so the head cannot "
+                f"predict them: {unknown[:10]}. Add them to the training data or drop those rows."
+            )
+        encoded[split] = dataset.cast_column(label_column, class_label)
+    return DatasetDict(encoded), names
+
+
+def parse_overrides(overrides: str | None) -> dict:
+    """`key=value,key=value` into a dict, values read as JSON when they parse (numbers, booleans, lists)."""
+    result = {}
+    for item in filter(None, (overrides or "").split(",")):
+        if "=" not in item:
+            raise ValueError(f"--config_overrides expects key=value pairs, got {item!r}.")
+        key, value = item.split("=", 1)
+        try:
+            result[key.strip()] = json.loads(value)
+        except json.JSONDecodeError:
+            result[key.strip()] = value
+    return result
+
+
+def build_config(
+    model_args: ModelArguments, image_size: int, vocab_size: int, max_length: int, labels: list[str] | None
+) -> MMFusionConfig:
+    """An MMFusionConfig for towers built from scratch (small ViT + BERT) from the size arguments."""
+    from transformers import BertConfig, ViTConfig
+
+    h, heads, p = model_args.hidden_size, model_args.num_attention_heads, model_args.dropout
+    vision = ViTConfig(
+        image_size=image_size,
+        patch_size=model_args.patch_size,
+        hidden_size=h,
+        num_hidden_layers=model_args.vision_layers,
+        num_attention_heads=heads,
+        intermediate_size=4 * h,
+        hidden_dropout_prob=p,
+        attention_probs_dropout_prob=0.0,
+    )
+    text = BertConfig(
+        vocab_size=vocab_size,
+        hidden_size=h,
+        num_hidden_layers=model_args.text_layers,
+        num_attention_heads=heads,
+        intermediate_size=4 * h,
+        max_position_embeddings=max(max_length, 8),
+        hidden_dropout_prob=p,
+        attention_probs_dropout_prob=0.0,
+    )
+    kwargs = dict(
+        vision_config=vision,
+        text_config=text,
+        fusion_type=model_args.fusion_type,
+        fusion_direction=model_args.fusion_direction,
+        num_fusion_layers=model_args.fusion_layers,
+        fusion_dropout=p,
+        classifier_dropout=p,
+        projection_dim=h,
+        itm_loss_weight=model_args.itm_loss_weight,
+    )
+    if labels is not None:
+        kwargs.update(id2label=dict(enumerate(labels)), label2id={name: i for i, name in enumerate(labels)})
+    kwargs.update(parse_overrides(model_args.config_overrides))
+    return MMFusionConfig(**kwargs)
+
+
+def model_class(task: str):
+    """The head for a task."""
+    from ..modeling_mm_fusion import MMFusionForImageTextClassification, MMFusionForPretraining
+
+    return MMFusionForPretraining if task == "pretrain" else MMFusionForImageTextClassification
+
+
+def check_resume_path(path: str | None, output_dir: str) -> str | bool | None:
+    """A `--resume_from_checkpoint` value checked: a Trainer checkpoint directory, or `last` for the newest one."""
+    if path is None:
+        return None
+    from transformers.trainer_utils import get_last_checkpoint
+
+    if path in ("last", "true", "True"):
+        last = get_last_checkpoint(output_dir) if os.path.isdir(output_dir) else None
+        if last is None:
+            raise ValueError(f"--resume_from_checkpoint {path}: there is no checkpoint-* directory in {output_dir}.")
+        return last
+    checkpoint = Path(path)
+    if not (checkpoint.is_dir() and (checkpoint / "trainer_state.json").is_file()):
+        raise ValueError(
+            f"--resume_from_checkpoint {path!r} is not a Trainer checkpoint (a directory with trainer_state.json, "
+            f"such as {output_dir}/checkpoint-500); use `last` for the newest one in --output_dir."
+        )
+    return str(checkpoint)
+
+
+def dataset_summary(data: Dataset | DatasetDict) -> str:
+    """One line per split: rows and columns."""
+    splits = data.items() if isinstance(data, DatasetDict) else [("data", data)]
+    return "; ".join(f"{name}: {len(d)} rows" for name, d in splits)

@@ -1,0 +1,121 @@
+"""Training monitor: throughput, time spent waiting for data, peak memory and MFU, logged with Trainer's logs."""
+
+import logging
+import resource
+import time
+
+import torch
+from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+
+
+logger = logging.getLogger(__name__)
+
+# Dense bf16/fp16 tensor-core peaks (TFLOP/s, no sparsity), from the vendors' data sheets; matched by device name.
+PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 125.0, "L4": 121.0, "V100": 125.0}
+
+
+def peak_tflops(device_name: str) -> float | None:
+    """Peak dense half-precision TFLOP/s of a known accelerator, from its name; `None` when unknown."""
+    for key, value in PEAK_TFLOPS.items():
+        if key in device_name:
+            return value
+    return None
+
+
+class MMFusionMonitorCallback(TrainerCallback):
+    """
+    Adds to every log, for the steps since the previous log: `samples_per_second`, `data_wait_fraction` (the share
+    of wall time the training loop spent waiting for its next batch: between the end of one optimizer step and the
+    start of the next, minus logging, evaluation and checkpointing), `peak_memory_gb` (the CUDA allocator's peak on
+    GPU, the process's peak RSS on CPU) and, on a GPU whose peak FLOP/s is known, `mfu` (model FLOPs utilisation
+    from Trainer's FLOP count, see `MMFusionPreTrainedModel.floating_point_ops`). Warns when the data wait exceeds
+    `data_wait_warning` (the input pipeline, not the model, is then the bottleneck).
+
+    The numbers go into the `logs` dict, so every `report_to` backend and the console see them, provided this
+    callback runs before the reporting ones: add it with [`add_monitor`].
+
+    Args:
+        data_wait_warning (`float`, *optional*, defaults to 0.2):
+            Warn when the data wait fraction of a logging interval is above this.
+        peak_tflops (`float`, *optional*):
+            Peak TFLOP/s of one device for the MFU; by default looked up from the CUDA device name.
+    """
+
+    def __init__(self, data_wait_warning: float = 0.2, peak_tflops: float | None = None):
+        self.data_wait_warning = data_wait_warning
+        self.peak = peak_tflops
+        self._reset(time.perf_counter(), 0, 0.0)
+        self._last_event = None
+
+    def _reset(self, now: float, step: int, flos: float) -> None:
+        self._window_start, self._window_step, self._window_flos = now, step, flos
+        self._wait = 0.0
+        self._excluded = 0.0
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+            if self.peak is None:
+                self.peak = peak_tflops(torch.cuda.get_device_name())
+        self._reset(time.perf_counter(), state.global_step, state.total_flos)
+        self._last_event = time.perf_counter()
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        # The batches of this optimizer step were fetched just before this call, after the previous step ended.
+        now = time.perf_counter()
+        if self._last_event is not None:
+            self._wait += now - self._last_event
+        self._last_event = None
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self._last_event = time.perf_counter()
+
+    def _pause(self) -> None:
+        """Evaluation, saving: not data wait, and not part of the training throughput."""
+        now = time.perf_counter()
+        if self._last_event is not None:
+            self._excluded += now - self._last_event
+            self._last_event = now
+
+    on_evaluate = on_save = lambda self, *args, **kwargs: self._pause()  # noqa: E731
+
+    def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, logs=None, **kwargs):
+        if logs is None or "loss" not in logs:  # only training logs; evaluation logs have their own timings
+            return
+        now = time.perf_counter()
+        steps = state.global_step - self._window_step
+        elapsed = now - self._window_start - self._excluded
+        if steps <= 0 or elapsed <= 0:
+            return
+        batch = (state.train_batch_size or args.per_device_train_batch_size) * args.gradient_accumulation_steps
+        logs["samples_per_second"] = round(steps * batch * args.world_size / elapsed, 2)
+        wait = self._wait / elapsed
+        logs["data_wait_fraction"] = round(wait, 4)
+        if torch.cuda.is_available():
+            logs["peak_memory_gb"] = round(torch.cuda.max_memory_allocated() / 2**30, 3)
+        else:
+            logs["peak_memory_gb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3)
+        if self.peak and state.total_flos > self._window_flos and torch.cuda.is_available():
+            achieved = (state.total_flos - self._window_flos) / elapsed  # summed over ranks by Trainer
+            logs["mfu"] = round(achieved / (self.peak * 1e12 * args.world_size), 4)
+        if wait > self.data_wait_warning and state.is_world_process_zero:
+            logger.warning(
+                "%.0f%% of the last %d steps was spent waiting for data (> %.0f%%): the input pipeline is the "
+                "bottleneck. Try more dataloader_num_workers, group_by_image, or a smaller image_size.",
+                100 * wait,
+                steps,
+                100 * self.data_wait_warning,
+            )
+        # Trainer appended a copy of `logs` to the history before calling back; keep the history complete too.
+        if state.log_history and state.log_history[-1].get("step") == state.global_step:
+            state.log_history[-1].update({k: logs[k] for k in logs if k not in state.log_history[-1]})
+        self._reset(now, state.global_step, state.total_flos)
+        # Logging happens between step end and the next fetch: do not count it as data wait.
+        self._last_event = time.perf_counter()
+
+
+def add_monitor(trainer, **kwargs) -> MMFusionMonitorCallback:
+    """Add a [`MMFusionMonitorCallback`] ahead of the reporting callbacks, so they and the console see its numbers."""
+    monitor = MMFusionMonitorCallback(**kwargs)
+    trainer.callback_handler.callbacks.insert(0, monitor)
+    return monitor

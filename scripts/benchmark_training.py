@@ -1,0 +1,125 @@
+"""Run the easy-VQA training recipes and ablations as a user would, and tabulate accuracy, wall time and speed.
+
+`python scripts/benchmark_training.py --runs default,late,image_only,text_only,full` runs, one after the other, each
+recipe as `python scripts/train.py ...` in a fresh process, timing its whole wall time (start-up, preprocessing from
+the cache, training, every evaluation, saving), and reads the run's `all_results.json` and `trainer_state.json`.
+Writes `scripts/results/benchmark_training.{md,json}` (merged with the runs already there) and prints the table.
+"""
+
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from transformers import HfArgumentParser
+
+
+ROOT = Path(__file__).resolve().parent.parent
+RUNS = {
+    "default": [],
+    "full": ["scripts/configs/easy_vqa_full.yaml"],
+    "late": ["--fusion_type", "late"],
+    "image_only": ["--ablation", "image_only"],
+    "text_only": ["--ablation", "text_only"],
+    "bidirectional": ["--fusion_direction", "bidirectional"],
+}
+DESCRIPTIONS = {
+    "default": "no arguments: hierarchical, text-to-image fusion, 7 epochs",
+    "full": "scripts/configs/easy_vqa_full.yaml: 20 epochs, flips",
+    "late": "ablation: late fusion (dual encoder)",
+    "image_only": "ablation: texts blanked ([CLS] [SEP])",
+    "text_only": "ablation: images blanked (black)",
+    "bidirectional": "co-attention in both directions",
+}
+
+
+@dataclass
+class BenchmarkArguments:
+    runs: str = field(default="default", metadata={"help": f"Comma-separated, from {', '.join(RUNS)}."})
+    output_root: str = field(default="outputs/benchmark_training", metadata={"help": "Where the runs write."})
+    results: str = field(default="scripts/results/benchmark_training", metadata={"help": "Path stem of md/json."})
+
+
+def run_one(name: str, output_dir: Path) -> dict:
+    # A config file comes first; the flags after it override it.
+    command = [
+        sys.executable,
+        "scripts/train.py",
+        *RUNS[name],
+        "--output_dir",
+        str(output_dir),
+        "--disable_tqdm",
+        "True",
+    ]
+    print("$", " ".join(command), flush=True)
+    start = time.perf_counter()
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+    wall = time.perf_counter() - start
+    if done.returncode != 0:
+        raise RuntimeError(f"{name} failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
+    results = json.loads((output_dir / "all_results.json").read_text())
+    history = json.loads((output_dir / "trainer_state.json").read_text())["log_history"]
+    train_logs = [h for h in history if "samples_per_second" in h]
+    speeds = sorted(h["samples_per_second"] for h in train_logs)
+    return {
+        "run": name,
+        "description": DESCRIPTIONS[name],
+        "command": "python " + " ".join(command[1:]),
+        "test_accuracy": results["eval_accuracy"],
+        "wall_seconds": wall,
+        "train_seconds": results["train_runtime"],
+        "median_train_samples_per_second": speeds[len(speeds) // 2] if speeds else None,
+        "median_data_wait_fraction": sorted(h["data_wait_fraction"] for h in train_logs)[len(train_logs) // 2]
+        if train_logs
+        else None,
+        "epochs": results.get("epoch"),
+        "accuracy_per_epoch": [round(h["eval_accuracy"], 4) for h in history if "eval_accuracy" in h],
+    }
+
+
+def table(rows: list[dict]) -> str:
+    lines = [
+        "| run | what | test accuracy | wall time | training samples/s (median) | data wait | accuracy per epoch |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        per_epoch = ", ".join(f"{a:.3f}" for a in r["accuracy_per_epoch"])
+        lines.append(
+            f"| {r['run']} | {r['description']} | {r['test_accuracy']:.4f} | {r['wall_seconds'] / 60:.1f} min | "
+            f"{r['median_train_samples_per_second']:.0f} | {100 * r['median_data_wait_fraction']:.1f}% | {per_epoch} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    (args,) = HfArgumentParser(BenchmarkArguments).parse_args_into_dataclasses(args=argv)
+    names = [n.strip() for n in args.runs.split(",") if n.strip()]
+    unknown = [n for n in names if n not in RUNS]
+    if unknown:
+        raise ValueError(f"Unknown runs {unknown}; choose from {list(RUNS)}.")
+    results_path = ROOT / f"{args.results}.json"
+    previous = json.loads(results_path.read_text())["runs"] if results_path.is_file() else []
+    rows = {r["run"]: r for r in previous}
+    for name in names:
+        rows[name] = run_one(name, ROOT / args.output_root / name)
+        print(table([rows[name]]), flush=True)
+    ordered = [rows[n] for n in RUNS if n in rows]
+    machine = f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, " + (
+        torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
+    )
+    header = f"easy-VQA (38,575 train / 9,673 test questions); one run each, sequential; {machine}."
+    results_path.parent.mkdir(parents=True, exist_ok=True)
+    results_path.write_text(json.dumps({"machine": machine, "runs": ordered}, indent=2) + "\n")
+    markdown = header + "\n\n" + table(ordered) + "\n"
+    (ROOT / f"{args.results}.md").write_text(markdown)
+    print("\n" + markdown)
+    return ordered
+
+
+if __name__ == "__main__":
+    main()

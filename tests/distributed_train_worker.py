@@ -1,0 +1,95 @@
+"""Run by tests/test_distributed_training.py under `torchrun --nproc_per_node N`: a tiny `scripts/train.py` run.
+
+Usage: torchrun --nproc_per_node N tests/distributed_train_worker.py OUT_DIR TASK PER_DEVICE_BATCH
+
+TASK `pretrain-local` is `pretrain` with the cross-rank gather of the contrastive features switched off (each rank's
+loss only sees its own batch): the control that shows the comparison can fail.
+
+Every rank writes OUT_DIR/rank{r}.pt with its final weights, the training losses Trainer logged (averaged over the
+ranks) and the number of evaluation predictions `compute_metrics` saw, with the metrics.
+"""
+
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+
+def load_train_script():
+    path = Path(__file__).resolve().parent.parent / "scripts" / "train.py"
+    spec = importlib.util.spec_from_file_location("mm_fusion_train_script", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def tiny_run_args(output_dir: str, task: str, batch_size: int) -> list[str]:
+    """A few optimizer steps of a tiny, dropout-free model on 32 easy-VQA pairs, in a fixed (sequential) order."""
+    return [
+        "--task", task,
+        "--output_dir", output_dir,
+        "--max_train_samples", "32",
+        "--max_eval_samples", "13",  # not a multiple of ranks x batch: the last batch gets padded duplicates
+        "--per_device_train_batch_size", str(batch_size),
+        "--per_device_eval_batch_size", "4",
+        "--num_train_epochs", "2",
+        "--train_sampling_strategy", "sequential",
+        "--image_size", "32",
+        "--patch_size", "16",
+        "--hidden_size", "32",
+        "--num_attention_heads", "2",
+        "--vision_layers", "1",
+        "--text_layers", "1",
+        "--fusion_layers", "1",
+        "--fusion_type", "cross_attention" if task != "pretrain" else "late",
+        "--itm_loss_weight", "0",  # ITM negatives are drawn within each rank's batch; ITC is the gathered loss
+        "--dropout", "0",
+        "--learning_rate", "1e-3",
+        "--warmup_steps", "0",
+        "--lr_scheduler_type", "constant",
+        "--logging_steps", "1",
+        "--eval_strategy", "no",
+        "--save_strategy", "no",
+        "--seed", "0",
+        "--disable_tqdm", "True",
+    ]  # fmt: skip
+
+
+def main() -> None:
+    out_dir, task, batch_size = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+    if task == "pretrain-local":
+        import mm_fusion.modeling_mm_fusion as modeling
+
+        modeling._gather_with_grad = lambda x: (x, 0)
+        task = "pretrain"
+    train = load_train_script()
+    trainer, run = train.build_trainer(tiny_run_args(str(out_dir / "run"), task, batch_size))
+    initial = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+    seen = []
+    compute_metrics = trainer.compute_metrics
+
+    def counting_compute_metrics(prediction):
+        seen.append(len(prediction.label_ids))
+        return compute_metrics(prediction)
+
+    trainer.compute_metrics = counting_compute_metrics
+    results = train.train_and_save(trainer, run)
+    rank = int(os.environ.get("RANK", "0"))
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    torch.save(
+        {
+            "state_dict": {k: v.detach().cpu().clone() for k, v in model.state_dict().items()},
+            "initial_state_dict": initial,
+            "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
+            "eval_predictions": seen,
+            "results": {k: v for k, v in results.items() if isinstance(v, (int, float))},
+            "world_size": trainer.args.world_size,
+        },
+        out_dir / f"rank{rank}.pt",
+    )
+
+
+if __name__ == "__main__":
+    main()

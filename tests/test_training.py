@@ -1,0 +1,331 @@
+"""scripts/train.py and mm_fusion.training: tiny end-to-end runs, Trainer features, errors, monitor, metrics."""
+
+import importlib.util
+import json
+import logging
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from transformers import AutoModelForPreTraining, AutoModelForVisualQuestionAnswering, AutoProcessor, Trainer
+
+from mm_fusion.training import (
+    MMFusionImageGroupedSampler,
+    MMFusionMonitorCallback,
+    MMFusionTrainingArguments,
+    add_monitor,
+    load_metric,
+)
+
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = [
+    "--image_size", "32", "--patch_size", "16", "--hidden_size", "32", "--num_attention_heads", "2",
+    "--vision_layers", "1", "--text_layers", "1", "--fusion_layers", "1", "--disable_tqdm", "True",
+    "--per_device_train_batch_size", "16", "--per_device_eval_batch_size", "32", "--logging_steps", "1",
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def train_script():
+    spec = importlib.util.spec_from_file_location("mm_fusion_train_script", ROOT / "scripts" / "train.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def run(train_script, tmp_path, *flags, samples=64):
+    argv = ["--output_dir", str(tmp_path / "out"), "--max_train_samples", str(samples), "--max_eval_samples", "40"]
+    return train_script.main([*argv, *TINY, *flags])
+
+
+def test_vqa_run_saves_a_loadable_model_with_its_card(train_script, tmp_path):
+    results = run(train_script, tmp_path, "--num_train_epochs", "2")
+    out = tmp_path / "out"
+    assert 0.0 <= results["eval_accuracy"] <= 1.0
+    model = AutoModelForVisualQuestionAnswering.from_pretrained(out, trust_remote_code=True)
+    processor = AutoProcessor.from_pretrained(out, trust_remote_code=True)
+    assert model.config.num_labels == 13 and model.config.id2label[0] == "circle"
+    batch = processor(images=[Image.new("RGB", (64, 64), "red")], text=["what shape is it?"], return_tensors="pt")
+    assert batch["pixel_values"].shape == (1, 3, 32, 32)
+    assert model(**batch).logits.shape == (1, 13)
+    # The model card holds this run's real figures and its training curves.
+    card = (out / "README.md").read_text()
+    assert f"| accuracy | {results['eval_accuracy']:.4f} |" in card
+    assert "![training curves](training_curves.png)" in card and (out / "training_curves.png").stat().st_size > 1000
+    assert "AutoModelForVisualQuestionAnswering.from_pretrained" in card and "transformers 5." in card
+    # The monitor's numbers went into Trainer's logs (and so to every report_to backend).
+    state = json.loads((out / "trainer_state.json").read_text())
+    logged = [h for h in state["log_history"] if "loss" in h]
+    assert logged and all(h["samples_per_second"] > 0 and 0 <= h["data_wait_fraction"] < 1 for h in logged)
+    assert all(h["peak_memory_gb"] > 0.1 for h in logged)
+
+
+def test_yaml_config_with_flag_overrides(train_script, tmp_path):
+    config = tmp_path / "run.yaml"
+    config.write_text("num_train_epochs: 1\nlearning_rate: 0.002\nfusion_type: late\nreport_to: [none]\n")
+    trainer, run_ = train_script.build_trainer(
+        [str(config), "--output_dir", str(tmp_path / "out"), "--max_train_samples", "16", *TINY,
+         "--fusion_type", "cross_attention"]
+    )  # fmt: skip
+    assert trainer.args.learning_rate == 0.002 and trainer.args.num_train_epochs == 1
+    assert trainer.model.config.fusion_type == "cross_attention"  # the flag after the file wins
+
+
+def test_pretrain_task_reports_retrieval_recall(train_script, tmp_path):
+    results = run(train_script, tmp_path, "--task", "pretrain", "--num_train_epochs", "1", samples=32)
+    for direction in ("text_to_image", "image_to_text"):
+        for k in (1, 5, 10):
+            assert 0.0 <= results[f"eval_{direction}_R@{k}"] <= 1.0
+    assert results["eval_text_to_image_R@10"] >= results["eval_text_to_image_R@1"]
+    model = AutoModelForPreTraining.from_pretrained(tmp_path / "out", trust_remote_code=True)
+    assert type(model).__name__ == "MMFusionForPretraining"
+
+
+def make_pairs(directory: Path, n: int, labels=("cat", "dog")) -> Path:
+    """A jsonl of image-path / caption / label rows with PNGs under `directory`."""
+    directory.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    with open(directory / "pairs.jsonl", "w") as f:
+        for i in range(n):
+            Image.fromarray(rng.integers(0, 255, (40, 40, 3), dtype=np.uint8)).save(directory / f"{i}.png")
+            label = labels[i % len(labels)]
+            f.write(json.dumps({"file": f"{i}.png", "caption": f"a photo of a {label}", "label": label}) + "\n")
+    return directory / "pairs.jsonl"
+
+
+def test_classify_task_on_local_files(train_script, tmp_path):
+    pairs = make_pairs(tmp_path / "data", 24)
+    flags = ["--task", "classify", "--dataset", str(pairs), "--data_root", str(tmp_path / "data"), "--image_column",
+             "file", "--text_column", "caption", "--label_column", "label", "--validation_split_percentage", "25",
+             "--num_train_epochs", "1"]  # fmt: skip
+    results = run(train_script, tmp_path, *flags)
+    assert 0.0 <= results["eval_accuracy"] <= 1.0
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["id2label"] == {"0": "cat", "1": "dog"}
+
+
+def test_trainer_features_accumulation_checkpointing_bf16_resume(train_script, tmp_path):
+    flags = ["--num_train_epochs", "2", "--gradient_accumulation_steps", "2", "--gradient_checkpointing", "True",
+             "--bf16", "True", "--auto_find_batch_size", "True", "--train_sampling_strategy", "group_by_length",
+             "--save_strategy", "steps", "--save_steps", "2", "--eval_strategy", "no"]  # fmt: skip
+    trainer, run_ = train_script.build_trainer(
+        ["--output_dir", str(tmp_path / "out"), "--max_train_samples", "64", *TINY, *flags]
+    )
+    train_script.train_and_save(trainer, run_)
+    assert trainer.model.is_gradient_checkpointing
+    assert trainer.state.global_step == 4  # 64 pairs / (16 x 2 accumulated) x 2 epochs
+    assert (tmp_path / "out" / "checkpoint-2" / "trainer_state.json").is_file()
+    # Resuming from the step-2 checkpoint continues to the same final step.
+    trainer, run_ = train_script.build_trainer(
+        [
+            "--output_dir",
+            str(tmp_path / "out"),
+            "--max_train_samples",
+            "64",
+            *TINY,
+            *flags,
+            "--resume_from_checkpoint",
+            str(tmp_path / "out" / "checkpoint-2"),
+        ]  # fmt: skip
+    )
+    train_script.train_and_save(trainer, run_)
+    assert trainer.state.global_step == 4
+    # push_to_hub writes the model card through `create_model_card`: it must be ours, not Trainer's generic one.
+    (tmp_path / "out" / "README.md").unlink()
+    trainer.create_model_card()
+    assert "## How to use" in (tmp_path / "out" / "README.md").read_text()
+
+
+def test_gradient_accumulation_matches_the_full_batch(train_script, tmp_path):
+    """Trainer must not rescale the heads' mean losses (`accepts_loss_kwargs = False`)."""
+    weights = []
+    for batch, accumulation in ((16, 1), (8, 2)):
+        flags = ["--per_device_train_batch_size", str(batch), "--gradient_accumulation_steps", str(accumulation),
+                 "--train_sampling_strategy", "sequential", "--dropout", "0", "--max_steps", "2",
+                 "--eval_strategy", "no", "--save_strategy", "no", "--seed", "0", "--warmup_steps", "0"]  # fmt: skip
+        trainer, run_ = train_script.build_trainer(
+            ["--output_dir", str(tmp_path / f"out{batch}"), "--max_train_samples", "32", *TINY, *flags]
+        )
+        trainer.train()
+        weights.append({k: v.clone() for k, v in trainer.model.state_dict().items()})
+    for name, value in weights[0].items():
+        torch.testing.assert_close(weights[1][name], value, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_early_stopping_stops_and_keeps_the_best(train_script, tmp_path):
+    results = run(
+        train_script, tmp_path, "--num_train_epochs", "20", "--early_stopping_patience", "1",
+        "--learning_rate", "0", samples=16,
+    )  # fmt: skip
+    # With learning rate 0 nothing improves: it stops after the first evaluation that fails to beat the best.
+    assert results["epoch"] == pytest.approx(2.0)
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--text_column", "nope"], "available columns"),
+        (["--text_column", "image_id"], "must hold text"),
+        (["--label_column", "image_id", "--eval_split", "test"], "the training data does not"),
+        (["--resume_from_checkpoint", "/tmp"], "is not a Trainer checkpoint"),
+        (["--task", "ocr"], "--task must be one of"),
+        (["--fp16", "True"], "fp16 needs a GPU"),
+    ],
+)
+def test_bad_configuration_gets_a_clear_error(train_script, tmp_path, flags, message):
+    with pytest.raises(ValueError, match=message):
+        run(train_script, tmp_path, "--max_eval_samples", "400", *flags, samples=8)
+
+
+def test_accelerate_fsdp_config_without_gpu_is_refused(train_script, tmp_path, monkeypatch):
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    with pytest.raises(RuntimeError, match="FSDP, which needs GPUs"):
+        run(train_script, tmp_path, samples=8)
+
+
+def test_shipped_accelerate_configs_parse():
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    kinds = {}
+    for path in sorted((ROOT / "scripts" / "accelerate_configs").glob("*.yaml")):
+        kinds[path.stem] = str(load_config_from_file(str(path)).distributed_type).split(".")[-1]
+    assert kinds == {"fsdp": "FSDP", "multi_cpu": "MULTI_CPU", "multi_gpu": "MULTI_GPU", "single_gpu": "NO"}
+
+
+def test_image_grouped_sampler_keeps_images_together():
+    image_index = [3, 1, 3, 2, 1, 3, 0, 2]
+    sampler = MMFusionImageGroupedSampler(image_index, seed=0)
+    first = list(sampler)
+    assert sorted(first) == list(range(8))
+    rows = [image_index[i] for i in first]
+    # Each image's pairs form one contiguous run.
+    assert len([r for i, r in enumerate(rows) if i == 0 or r != rows[i - 1]]) == len(set(image_index))
+    sampler.set_epoch(1)
+    assert list(sampler) != first
+    again = MMFusionImageGroupedSampler(image_index, seed=0)
+    assert list(again) == first  # the same order on every rank
+
+
+def test_collator_blanks_a_modality_for_ablations(train_script, tmp_path):
+    trainer, _ = train_script.build_trainer(
+        ["--output_dir", str(tmp_path / "out"), "--max_train_samples", "8", *TINY, "--ablation", "image_only"]
+    )
+    batch = trainer.data_collator([trainer.train_dataset[i] for i in range(4)])
+    assert batch["input_ids"].shape[1] == 2 and batch["pixel_values"].any()
+    trainer, _ = train_script.build_trainer(
+        ["--output_dir", str(tmp_path / "out"), "--max_train_samples", "8", *TINY, "--ablation", "text_only"]
+    )
+    batch = trainer.data_collator([trainer.train_dataset[i] for i in range(4)])
+    assert batch["input_ids"].shape[1] > 2 and not batch["pixel_values"].any()
+
+
+class _SlowCollator:
+    """Wraps a collator so that every batch takes 60 ms to arrive."""
+
+    def __init__(self, collator):
+        self.collator = collator
+
+    def __call__(self, features):
+        time.sleep(0.06)
+        return self.collator(features)
+
+
+def test_monitor_measures_data_wait_and_warns(train_script, tmp_path, caplog):
+    trainer, _ = train_script.build_trainer(
+        [
+            "--output_dir",
+            str(tmp_path / "out"),
+            "--max_train_samples",
+            "64",
+            *TINY,
+            "--eval_strategy",
+            "no",
+            "--save_strategy",
+            "no",
+            "--per_device_train_batch_size",
+            "4",
+            "--logging_steps",
+            "8",
+        ]  # fmt: skip
+    )
+    fast = [h for h in _train_logs(trainer)]
+    trainer, _ = train_script.build_trainer(
+        [
+            "--output_dir",
+            str(tmp_path / "out2"),
+            "--max_train_samples",
+            "64",
+            *TINY,
+            "--eval_strategy",
+            "no",
+            "--save_strategy",
+            "no",
+            "--per_device_train_batch_size",
+            "4",
+            "--logging_steps",
+            "8",
+        ]  # fmt: skip
+    )
+    trainer.data_collator = _SlowCollator(trainer.data_collator)
+    with caplog.at_level(logging.WARNING, logger="mm_fusion.training.callbacks"):
+        slow = _train_logs(trainer)
+    assert max(h["data_wait_fraction"] for h in fast) < min(h["data_wait_fraction"] for h in slow)
+    assert min(h["data_wait_fraction"] for h in slow) > 0.2
+    assert "waiting for data" in caplog.text
+
+
+def _train_logs(trainer: Trainer) -> list[dict]:
+    trainer.train()
+    return [h for h in trainer.state.log_history if "data_wait_fraction" in h]
+
+
+def test_add_monitor_runs_before_the_reporters(train_script, tmp_path):
+    trainer, _ = train_script.build_trainer(["--output_dir", str(tmp_path / "out"), "--max_train_samples", "8", *TINY])
+    assert isinstance(trainer.callback_handler.callbacks[0], MMFusionMonitorCallback)
+    assert sum(isinstance(c, MMFusionMonitorCallback) for c in trainer.callback_handler.callbacks) == 1
+    assert callable(add_monitor)
+
+
+def test_training_arguments_defaults_sized_to_the_machine(tmp_path):
+    args = MMFusionTrainingArguments(output_dir=str(tmp_path))
+    assert args.remove_unused_columns is False
+    if not torch.accelerator.is_available():
+        assert args.dataloader_num_workers == 0 and args.dataloader_pin_memory is False
+    with pytest.raises(ValueError, match="exclude each other"):
+        MMFusionTrainingArguments(
+            output_dir=str(tmp_path), group_by_image=True, train_sampling_strategy="group_by_length"
+        )
+
+
+def test_shipped_metrics_load_offline_and_compute():
+    accuracy = load_metric("accuracy")
+    assert accuracy.compute(predictions=[1, 2, 0, 5], references=[1, 2, 1, -100]) == {
+        "accuracy": pytest.approx(2 / 3),
+        "majority_accuracy": pytest.approx(2 / 3),
+    }
+    retrieval = load_metric("retrieval")
+    # 3 texts, 2 images (texts 0 and 1 share image 7); text 2's nearest image is image 7, not its own (9).
+    images = np.array([[1, 0], [1, 0], [0, 1]], dtype=np.float32)
+    texts = np.array([[1, 0], [0.9, 0.1], [0.8, 0.2]], dtype=np.float32)
+    result = retrieval.compute(image_embeds=images, text_embeds=texts, image_ids=[7, 7, 9], k_values=[1, 2])
+    assert result["text_to_image_R@1"] == pytest.approx(2 / 3) and result["text_to_image_R@2"] == 1.0
+    # image 7: its texts rank first; image 9: text 2 ranks 1st among texts for image 9 (scores .0, .1, .2).
+    assert result["image_to_text_R@1"] == 1.0
+    with pytest.raises(ValueError, match="No shipped metric"):
+        load_metric("bleu")
+
+
+def test_flops_count_images_and_texts(tester):
+    from mm_fusion import MMFusionForImageTextClassification
+
+    model = MMFusionForImageTextClassification(tester.config())
+    inputs = tester.inputs()
+    text_only = 6 * model.num_parameters(exclude_embeddings=True) * int(inputs["attention_mask"].sum())
+    flops = model.floating_point_ops(inputs)
+    assert flops > text_only  # the default count sees only text tokens; the 225 patches per image dominate here
+    shared = {**inputs, "pixel_values": inputs["pixel_values"][:1]}
+    assert model.floating_point_ops(shared) < flops  # one image encoded once costs less than three
