@@ -159,7 +159,7 @@ def test_gradient_accumulation_matches_the_full_batch(train_script, tmp_path):
 def test_early_stopping_stops_and_keeps_the_best(train_script, tmp_path):
     results = run(
         train_script, tmp_path, "--num_train_epochs", "20", "--early_stopping_patience", "1",
-        "--learning_rate", "0", samples=16,
+        "--learning_rate", "0", "--eval_strategy", "epoch", "--save_strategy", "epoch", samples=16,
     )  # fmt: skip
     # With learning rate 0 nothing improves: it stops after the first evaluation that fails to beat the best.
     assert results["epoch"] == pytest.approx(2.0)
@@ -208,6 +208,23 @@ def test_image_grouped_sampler_keeps_images_together():
     assert list(sampler) != first
     again = MMFusionImageGroupedSampler(image_index, seed=0)
     assert list(again) == first  # the same order on every rank
+    # group_size caps the runs: 2 images x 50 pairs come in 2 runs of 50, or in runs of 5 shuffled together.
+    image_index = [0] * 50 + [1] * 50
+    assert max(map(len, _runs([image_index[i] for i in MMFusionImageGroupedSampler(image_index)]))) == 50
+    capped = list(MMFusionImageGroupedSampler(image_index, group_size=5))
+    assert sorted(capped) == list(range(100))
+    assert len(_runs([image_index[i] for i in capped])) > 4
+
+
+def _runs(rows):
+    """Consecutive equal values, as lists."""
+    out = []
+    for r in rows:
+        if out and out[-1][0] == r:
+            out[-1].append(r)
+        else:
+            out.append([r])
+    return out
 
 
 def test_collator_blanks_a_modality_for_ablations(train_script, tmp_path):
@@ -317,6 +334,18 @@ def test_shipped_metrics_load_offline_and_compute():
     assert result["image_to_text_R@1"] == 1.0
     with pytest.raises(ValueError, match="No shipped metric"):
         load_metric("bleu")
+
+
+def test_config_overrides_parse_lists_and_numbers():
+    from mm_fusion.training import parse_overrides
+
+    assert parse_overrides("text_bridge_layers=[0,1],projection_dim=64,hidden_act=relu") == {
+        "text_bridge_layers": [0, 1],
+        "projection_dim": 64,
+        "hidden_act": "relu",
+    }
+    with pytest.raises(ValueError, match="key=value"):
+        parse_overrides("projection_dim")
 
 
 def test_flops_count_images_and_texts(tester):

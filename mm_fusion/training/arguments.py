@@ -44,7 +44,7 @@ class ModelArguments:
     )
     hidden_size: int = field(default=128, metadata={"help": "Width of towers built from scratch and of the fusion."})
     num_attention_heads: int = field(default=4, metadata={"help": "Attention heads of towers built from scratch."})
-    vision_layers: int = field(default=4, metadata={"help": "Layers of a vision tower built from scratch."})
+    vision_layers: int = field(default=2, metadata={"help": "Layers of a vision tower built from scratch."})
     text_layers: int = field(default=2, metadata={"help": "Layers of a text tower built from scratch."})
     fusion_layers: int = field(default=2, metadata={"help": "Co-attention layers (ignored by late fusion)."})
     patch_size: int = field(default=8, metadata={"help": "Patch size of a vision tower built from scratch."})
@@ -122,11 +122,15 @@ class MMFusionTrainingArguments(TrainingArguments):
     weight_decay: float = field(default=0.01, metadata={"help": "AdamW weight decay."})
     warmup_steps: float = field(default=0.05, metadata={"help": "Warm-up steps (a float < 1: a fraction)."})
     lr_scheduler_type: str = field(default="cosine", metadata={"help": "Learning-rate schedule."})
-    num_train_epochs: float = field(default=7.0, metadata={"help": "Training epochs."})
+    num_train_epochs: float = field(default=9.0, metadata={"help": "Training epochs."})
     per_device_train_batch_size: int = field(default=64, metadata={"help": "Pairs per device per step."})
     per_device_eval_batch_size: int = field(default=256, metadata={"help": "Pairs per device per evaluation step."})
-    eval_strategy: str = field(default="epoch", metadata={"help": "When to evaluate: no, steps or epoch."})
-    save_strategy: str = field(default="epoch", metadata={"help": "When to checkpoint: no, steps or epoch."})
+    eval_strategy: str = field(default="steps", metadata={"help": "When to evaluate: no, steps or epoch."})
+    eval_steps: float | None = field(
+        default=1 / 3, metadata={"help": "Evaluate every N steps (a float < 1: a fraction of the run)."}
+    )
+    save_strategy: str = field(default="steps", metadata={"help": "When to checkpoint: no, steps or epoch."})
+    save_steps: float = field(default=1 / 3, metadata={"help": "Checkpoint every N steps (< 1: a fraction)."})
     save_total_limit: int | None = field(default=2, metadata={"help": "Checkpoints kept."})
     logging_steps: float = field(default=50, metadata={"help": "Log every N steps."})
     report_to: None | str | list[str] = field(default="none", metadata={"help": "tensorboard, wandb, ... or none."})
@@ -145,6 +149,10 @@ class MMFusionTrainingArguments(TrainingArguments):
             "for vqa / classify, off for pretrain (the pairs of one image would be each other's contrastive "
             "negatives)."
         },
+    )
+    image_group_size: int | None = field(
+        default=None,
+        metadata={"help": "With group_by_image: at most this many pairs of one image in a row (default: all)."},
     )
     early_stopping_patience: int | None = field(
         default=None, metadata={"help": "Stop after this many evaluations without improvement (keeps the best)."}

@@ -3,6 +3,7 @@
 import json
 import logging
 import os
+import re
 from pathlib import Path
 
 from datasets import ClassLabel, Dataset, DatasetDict, Value
@@ -121,7 +122,8 @@ def encode_labels(data: DatasetDict, label_column: str) -> tuple[DatasetDict, li
 def parse_overrides(overrides: str | None) -> dict:
     """`key=value,key=value` into a dict, values read as JSON when they parse (numbers, booleans, lists)."""
     result = {}
-    for item in filter(None, (overrides or "").split(",")):
+    # Commas inside brackets belong to a list value: `text_bridge_layers=[0,1],projection_dim=64`.
+    for item in filter(None, re.split(r",(?![^\[]*\])", overrides or "")):
         if "=" not in item:
             raise ValueError(f"--config_overrides expects key=value pairs, got {item!r}.")
         key, value = item.split("=", 1)

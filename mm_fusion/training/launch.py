@@ -20,7 +20,7 @@ TASK_DESCRIPTIONS = {
     ),
 }
 FUSION_DESCRIPTIONS = {
-    "hierarchical": "hierarchical cross-attention bridges (co-attention layers fed from several tower layers)",
+    "hierarchical": "hierarchical cross-attention bridges (fusion layers fed from several tower layers)",
     "cross_attention": "a co-attention stack over the towers' final features",
     "late": "late fusion (pooled, projected tower features only; a dual encoder)",
 }
@@ -90,6 +90,11 @@ def model_card_context(
         "fusion_type": config.fusion_type,
         "fusion_description": FUSION_DESCRIPTIONS[config.fusion_type],
         "num_fusion_layers": config.num_fusion_layers,
+        "fusion_direction_description": (
+            "text attends to image; image keys / values shared by the texts of an image"
+            if config.fusion_direction == "text_to_image"
+            else "co-attention, both directions"
+        ),
         "fusion_hidden_size": config.fusion_hidden_size,
         "vision": config.vision_config,
         "text": text,
@@ -115,7 +120,7 @@ def model_card_context(
         "metrics": metrics,
         "main_metric": main_metric,
         "log_history": history,
-        "command": "accelerate launch scripts/train.py" + ("" if not args else " " + shlex.join(args)),
+        "command": "scripts/train.py" + ("" if not args else " " + shlex.join(args)),
         "epochs": training_args.num_train_epochs,
         "steps": trainer.state.global_step,
         "global_batch_size": training_args.per_device_train_batch_size
@@ -131,6 +136,5 @@ def model_card_context(
         "train_samples_per_second": train.get("train_samples_per_second", 0.0),
         "repo_or_path": training_args.hub_model_id or training_args.output_dir,
         "auto_class": auto_class,
-        "auto_class_import": ", " + auto_class,
         "example_text": "what shape is in the image?" if easy else "a photo",
     }

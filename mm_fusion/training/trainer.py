@@ -38,7 +38,9 @@ class MMFusionTrainer(Trainer):
     def _get_train_sampler(self, train_dataset=None):
         if getattr(self.args, "group_by_image", False):
             dataset = train_dataset if train_dataset is not None else self.train_dataset
-            return MMFusionImageGroupedSampler(dataset["image_index"], seed=self.args.data_seed or self.args.seed)
+            seed = self.args.data_seed or self.args.seed
+            group_size = getattr(self.args, "image_group_size", None)
+            return MMFusionImageGroupedSampler(dataset["image_index"], seed=seed, group_size=group_size)
         return super()._get_train_sampler(train_dataset)
 
     def _is_pretraining(self, model) -> bool:
