@@ -24,6 +24,7 @@ SHORT = ["--num_train_epochs", "3"]  # the ablations: 3 epochs each, against the
 RUNS = {
     "default": [],
     "full": ["scripts/configs/easy_vqa_full.yaml"],
+    "default_late": ["--fusion_type", "late"],
     "short": SHORT,
     "late": [*SHORT, "--fusion_type", "late"],
     "image_only": [*SHORT, "--ablation", "image_only"],
@@ -33,6 +34,7 @@ RUNS = {
 DESCRIPTIONS = {
     "default": "no arguments: hierarchical fusion, text-to-image attention, 9 epochs",
     "full": "scripts/configs/easy_vqa_full.yaml: 24 epochs, random flips",
+    "default_late": "the default with late fusion (dual encoder, no cross-attention), 9 epochs",
     "short": "3 epochs (the ablations' baseline)",
     "late": "3 epochs, late fusion (dual encoder, no cross-attention)",
     "image_only": "3 epochs, texts blanked to [CLS] [SEP]",
