@@ -1,19 +1,16 @@
 """The pieces `scripts/train.py` assembles: datasets, labels, tokenizer, model and processor from the arguments."""
 
 import json
-import logging
 import os
 import re
 from pathlib import Path
 
-from datasets import ClassLabel, Dataset, DatasetDict, Value
+from datasets import ClassLabel, DatasetDict, Value
 
 from ..configuration_mm_fusion import MMFusionConfig
 from ..data import load_easy_vqa, load_pairs
 from .arguments import DataArguments, ModelArguments
 
-
-logger = logging.getLogger(__name__)
 
 EASY_VQA_COLUMNS = {"image_column": "image", "text_column": "question", "label_column": "answer", "id_column": "id"}
 TEXT_TYPES = ("string", "large_string")
@@ -203,9 +200,3 @@ def check_resume_path(path: str | None, output_dir: str) -> str | bool | None:
             f"such as {output_dir}/checkpoint-500); use `last` for the newest one in --output_dir."
         )
     return str(checkpoint)
-
-
-def dataset_summary(data: Dataset | DatasetDict) -> str:
-    """One line per split: rows and columns."""
-    splits = data.items() if isinstance(data, DatasetDict) else [("data", data)]
-    return "; ".join(f"{name}: {len(d)} rows" for name, d in splits)
