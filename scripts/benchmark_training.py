@@ -34,9 +34,9 @@ RUNS = {
 }
 DESCRIPTIONS = {
     "default": "no arguments: hierarchical fusion, text-to-image attention, 9 epochs",
-    "full": "scripts/configs/easy_vqa_full.yaml: 24 epochs, random flips",
+    "full": "scripts/configs/easy_vqa_full.yaml: the default model without dropout, 24 epochs",
     "default_late": "the default with late fusion (dual encoder, no cross-attention), 9 epochs",
-    "full_late": "the full config with late fusion, 24 epochs, random flips",
+    "full_late": "the full config with late fusion, 24 epochs",
     "short": "3 epochs (the ablations' baseline)",
     "late": "3 epochs, late fusion (dual encoder, no cross-attention)",
     "image_only": "3 epochs, texts blanked to [CLS] [SEP]",

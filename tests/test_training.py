@@ -196,6 +196,13 @@ def test_shipped_accelerate_configs_parse():
     assert kinds == {"fsdp": "FSDP", "multi_cpu": "MULTI_CPU", "multi_gpu": "MULTI_GPU", "single_gpu": "NO"}
 
 
+def test_shipped_training_config_parses_to_the_benchmarked_recipe(train_script):
+    # An unknown key in a shipped config would fail here (HfArgumentParser rejects it), not after a user's install.
+    model_args, data_args, training_args = train_script.parse_args([str(ROOT / "scripts/configs/easy_vqa_full.yaml")])
+    assert (model_args.fusion_type, model_args.dropout, data_args.augment) == ("hierarchical", 0.0, False)
+    assert training_args.num_train_epochs == 24 and training_args.output_dir == "outputs/easy_vqa_full"
+
+
 def test_image_grouped_sampler_keeps_images_together():
     image_index = [3, 1, 3, 2, 1, 3, 0, 2]
     sampler = MMFusionImageGroupedSampler(image_index, seed=0)
