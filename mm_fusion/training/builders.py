@@ -94,9 +94,6 @@ def encode_labels(data: DatasetDict, label_column: str) -> tuple[DatasetDict, li
     encoded = {}
     for split, dataset in data.items():
         split_feature = dataset.features[label_column]
-        if split_feature == class_label:
-            encoded[split] = dataset
-            continue
         if isinstance(split_feature, ClassLabel):
             if list(split_feature.names) != names:
                 raise ValueError(
@@ -137,26 +134,22 @@ def build_config(
     """An MMFusionConfig for towers built from scratch (small ViT + BERT) from the size arguments."""
     from transformers import BertConfig, ViTConfig
 
-    h, heads, p = model_args.hidden_size, model_args.num_attention_heads, model_args.dropout
-    vision = ViTConfig(
-        image_size=image_size,
-        patch_size=model_args.patch_size,
+    h, p = model_args.hidden_size, model_args.dropout
+    tower = dict(
         hidden_size=h,
-        num_hidden_layers=model_args.vision_layers,
-        num_attention_heads=heads,
+        num_attention_heads=model_args.num_attention_heads,
         intermediate_size=4 * h,
         hidden_dropout_prob=p,
         attention_probs_dropout_prob=0.0,
     )
+    vision = ViTConfig(
+        image_size=image_size, patch_size=model_args.patch_size, num_hidden_layers=model_args.vision_layers, **tower
+    )
     text = BertConfig(
         vocab_size=vocab_size,
-        hidden_size=h,
         num_hidden_layers=model_args.text_layers,
-        num_attention_heads=heads,
-        intermediate_size=4 * h,
         max_position_embeddings=max(max_length, 8),
-        hidden_dropout_prob=p,
-        attention_probs_dropout_prob=0.0,
+        **tower,
     )
     kwargs = dict(
         vision_config=vision,
