@@ -114,21 +114,46 @@ def normalize_uint8_pixels(
     return torch.addcmul(shift, pixel_values.to(torch.float32), scale).to(dtype)
 
 
-def _check_inputs(pixel_values: torch.Tensor | None, input_ids: torch.Tensor | None, image_index=None) -> None:
-    """Clear errors for missing inputs and image/text batches that do not line up."""
+def _check_inputs(
+    config: MMFusionConfig,
+    pixel_values: torch.Tensor | None,
+    input_ids: torch.Tensor | None,
+    image_index: torch.Tensor | None = None,
+) -> None:
+    """Clear errors for missing or empty inputs, texts too long for the text tower, and batches that do not line up."""
     if pixel_values is None or input_ids is None:
         missing = [name for name, x in (("pixel_values", pixel_values), ("input_ids", input_ids)) if x is None]
         raise ValueError(f"MMFusion models need both `pixel_values` and `input_ids`; missing: {', '.join(missing)}.")
     num_images, num_texts = pixel_values.shape[0], input_ids.shape[0]
+    if num_images == 0 or num_texts == 0:
+        raise ValueError(
+            f"Empty batch: pixel_values holds {num_images} images and input_ids {num_texts} texts; a batch needs at "
+            "least one of each."
+        )
+    max_positions = getattr(config.text_config, "max_position_embeddings", None)
+    if max_positions is not None and input_ids.shape[-1] > max_positions:
+        raise ValueError(
+            f"input_ids has {input_ids.shape[-1]} tokens per text, but the text tower has position embeddings for "
+            f"{max_positions}. Truncate the texts (the processor's / tokenizer's `max_length`, or --max_length)."
+        )
     if image_index is None:
         if num_images != num_texts:
             raise ValueError(
                 f"Batch sizes differ: pixel_values has {num_images} images but input_ids has {num_texts} texts; "
                 "each text needs exactly one image (or pass `image_index` to share images between texts)."
             )
-    elif image_index.shape != (num_texts,):
+        return
+    if image_index.shape != (num_texts,):
         raise ValueError(
             f"`image_index` must have shape ({num_texts},), one image per text; got {tuple(image_index.shape)}."
+        )
+    if image_index.is_floating_point():
+        raise ValueError(f"`image_index` must hold integer rows of pixel_values; got dtype {image_index.dtype}.")
+    outside = (image_index < 0) | (image_index >= num_images)
+    if bool(outside.any()):
+        raise ValueError(
+            f"`image_index` must hold rows of pixel_values in [0, {num_images}); got "
+            f"{image_index[outside].tolist()[:10]} (a negative row would wrap around to the last images)."
         )
 
 
@@ -323,9 +348,9 @@ class MMFusionPreTrainedModel(PreTrainedModel):
     supports_gradient_checkpointing = True
     _supports_sdpa = True
     _no_split_modules = ["MMFusionCoAttentionLayer"]
-    # The heads' losses are means over their own batch and ignore `num_items_in_batch`. Trainer would otherwise see
-    # `**kwargs` in `forward`, take the losses as sums, skip the division by gradient-accumulation steps and multiply
-    # by the number of processes: gradients `gradient_accumulation_steps` or `world_size` times too large.
+    # The heads' losses are means over their own batch and take no `num_items_in_batch`. Trainer would otherwise take
+    # them as sums (as it does for a `forward` with `**kwargs`), skip the division by gradient-accumulation steps and
+    # multiply by the number of processes: gradients `gradient_accumulation_steps` or `world_size` times too large.
     accepts_loss_kwargs = False
 
     def floating_point_ops(self, input_dict: dict, exclude_embeddings: bool = True) -> int:
@@ -508,10 +533,20 @@ class MMFusionModel(MMFusionPreTrainedModel):
         """
         uint8 images in [0, 255] (as the data collator delivers them, 4x less to copy to the device than float) are
         scaled and normalised with the config's `image_mean` / `image_std` here, on the model's device, once per
-        batch. Float `pixel_values` are taken as already normalised and pass through unchanged.
+        batch; other integer types must hold 0-255 values too. Float `pixel_values` are taken as already normalised
+        and pass through unchanged.
         """
-        if pixel_values.dtype != torch.uint8:
+        if pixel_values.is_floating_point():
             return pixel_values
+        if pixel_values.dtype != torch.uint8:
+            # Integer pixels of another type (e.g. int64 from numpy) are 0-255 values too, not normalised ones.
+            low, high = int(pixel_values.min()), int(pixel_values.max())
+            if low < 0 or high > 255:
+                raise ValueError(
+                    f"Integer pixel_values ({pixel_values.dtype}) are read as 0-255 pixel values, but they range over "
+                    f"[{low}, {high}]. Pass uint8 images, or normalised float ones."
+                )
+            pixel_values = pixel_values.to(torch.uint8)
         return normalize_uint8_pixels(pixel_values, self.config.image_mean, self.config.image_std, self.dtype)
 
     @staticmethod
@@ -571,13 +606,14 @@ class MMFusionModel(MMFusionPreTrainedModel):
         attention_mask: torch.Tensor | None = None,
         token_type_ids: torch.Tensor | None = None,
         image_index: torch.Tensor | None = None,
-        **kwargs,
+        image_rows: torch.Tensor | None = None,
+        sample_ids: list[str] | None = None,
     ) -> MMFusionModelOutput:
         r"""
         Args:
             pixel_values (`torch.FloatTensor` or `torch.ByteTensor` of shape `(num_images, channels, height, width)`):
-                Normalised float images, or uint8 images in [0, 255] that the model normalises with the config's
-                `image_mean` / `image_std`.
+                Normalised float images, or integer (uint8 best) images in [0, 255] that the model normalises with the
+                config's `image_mean` / `image_std`.
             input_ids (`torch.LongTensor` of shape `(batch_size, text_length)`):
                 Token ids.
             attention_mask (`torch.LongTensor` of shape `(batch_size, text_length)`, *optional*):
@@ -587,8 +623,12 @@ class MMFusionModel(MMFusionPreTrainedModel):
             image_index (`torch.LongTensor` of shape `(batch_size,)`, *optional*):
                 For each text, the row of `pixel_values` it is paired with. Lets several questions share one image,
                 which the vision tower then encodes once. Without it, `num_images` must equal `batch_size`.
+            image_rows (`torch.LongTensor` of shape `(batch_size,)`, *optional*), sample_ids (`list[str]`, *optional*):
+                Bookkeeping that [`ImageTextCollator`] adds to every batch (each pair's row of the images table, and
+                its id); accepted so that a batch can be passed as it is, and not used. Any other keyword argument is
+                an error, so a misspelt `labels` or `return_loss` cannot pass unnoticed.
         """
-        _check_inputs(pixel_values, input_ids, image_index)
+        _check_inputs(self.config, pixel_values, input_ids, image_index)
         vision_out, text_out, image_features, text_features = self.encode_towers(
             pixel_values, input_ids, attention_mask, token_type_ids
         )
@@ -665,7 +705,8 @@ class MMFusionForImageTextClassification(MMFusionPreTrainedModel):
         token_type_ids: torch.Tensor | None = None,
         image_index: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
-        **kwargs,
+        image_rows: torch.Tensor | None = None,
+        sample_ids: list[str] | None = None,
     ) -> MMFusionImageTextClassifierOutput:
         r"""
         Args:
@@ -766,7 +807,8 @@ class MMFusionForPretraining(MMFusionPreTrainedModel):
         attention_mask: torch.Tensor | None = None,
         token_type_ids: torch.Tensor | None = None,
         return_loss: bool | None = None,
-        **kwargs,
+        image_rows: torch.Tensor | None = None,
+        sample_ids: list[str] | None = None,
     ) -> MMFusionForPretrainingOutput:
         r"""
         Args:
@@ -775,7 +817,7 @@ class MMFusionForPretraining(MMFusionPreTrainedModel):
 
             See [`MMFusionModel.forward`] for the other arguments.
         """
-        _check_inputs(pixel_values, input_ids)
+        _check_inputs(self.config, pixel_values, input_ids)
         return_loss = self.training if return_loss is None else return_loss
         base = self.mm_fusion
         vision_out, text_out, image_features, text_features = base.encode_towers(

@@ -6,6 +6,8 @@ flag or a key of a YAML / JSON config file (`scripts/configs/`); `--help` lists 
 `classify` (image-text classification on your columns), `pretrain` (ITC + ITM, evaluated by retrieval Recall@K).
 """
 
+import dataclasses
+import difflib
 import json
 import logging
 import sys
@@ -15,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
+from torch.distributed.elastic.multiprocessing.errors import record
 from transformers import AutoTokenizer, EarlyStoppingCallback, HfArgumentParser, ViTImageProcessor, set_seed
 from transformers.utils import logging as hf_logging
 
@@ -28,13 +31,14 @@ from mm_fusion.training import (
     add_monitor,
     build_config,
     check_columns,
+    check_eval_data,
     check_launch,
-    check_resume_path,
     encode_labels,
     load_metric,
     load_raw_datasets,
     model_card_context,
     model_class,
+    resolve_resume_checkpoint,
     write_model_card,
 )
 
@@ -46,7 +50,8 @@ MODEL_CARD_TEMPLATE = Path(__file__).resolve().parent.parent / "model_cards" / "
 def parse_args(argv: list[str] | None):
     """Flags, or a YAML / JSON file as the first argument with flags after it overriding its values."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = HfArgumentParser((ModelArguments, DataArguments, MMFusionTrainingArguments))
+    # No abbreviations: `--learning_rat` (or a config key `learning_rat`) is an error, not `--learning_rate`.
+    parser = HfArgumentParser((ModelArguments, DataArguments, MMFusionTrainingArguments), allow_abbrev=False)
     if argv and argv[0].endswith((".yaml", ".yml", ".json")):
         path = Path(argv.pop(0))
         if not path.is_file():
@@ -54,6 +59,12 @@ def parse_args(argv: list[str] | None):
         values = yaml.safe_load(path.read_text()) if path.suffix != ".json" else json.loads(path.read_text())
         if not isinstance(values, dict):
             raise ValueError(f"Config file {path} must hold a mapping of option: value, got {type(values).__name__}.")
+        known = {f.name for cls in parser.dataclass_types for f in dataclasses.fields(cls) if f.init}
+        for key in values:
+            if key not in known:
+                close = difflib.get_close_matches(str(key), known, n=1)
+                hint = f" Did you mean {close[0]!r}?" if close else " `--help` lists the options."
+                raise ValueError(f"Config file {path}: {key!r} is not an option of scripts/train.py.{hint}")
         flags = []
         for key, value in values.items():
             flags += [f"--{key}", *(map(str, value) if isinstance(value, list) else [str(value)])]
@@ -61,9 +72,14 @@ def parse_args(argv: list[str] | None):
     return parser.parse_args_into_dataclasses(args=argv)
 
 
-def build_tokenizer(model_args, texts, training_args):
-    """The given tokenizer, the text tower's, or one trained on the training texts by the main process."""
+def build_tokenizer(model_args, texts, training_args, resume: str | None = None):
+    """
+    The given tokenizer, the text tower's, the one saved in the checkpoint a run resumes from, or one trained on the
+    training texts by the main process.
+    """
     source = model_args.tokenizer_name_or_path or model_args.text_model_name_or_path or model_args.model_name_or_path
+    if source is None and resume is not None and (Path(resume) / "tokenizer_config.json").is_file():
+        source = resume  # the vocabulary the checkpoint's weights were trained with, whatever the data is now
     if source:
         return AutoTokenizer.from_pretrained(source)
     directory = Path(training_args.output_dir) / "tokenizer"
@@ -119,7 +135,7 @@ def build_trainer(argv: list[str] | None = None) -> tuple[MMFusionTrainer, Run]:
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
     hf_logging.set_verbosity_warning()
     check_launch(training_args)
-    resume = check_resume_path(training_args.resume_from_checkpoint, training_args.output_dir)
+    resume = resolve_resume_checkpoint(training_args.resume_from_checkpoint, training_args.output_dir)
     if training_args.group_by_image is None:
         random_order = training_args.train_sampling_strategy == "random"
         training_args.group_by_image = model_args.task != "pretrain" and random_order
@@ -129,10 +145,11 @@ def build_trainer(argv: list[str] | None = None) -> tuple[MMFusionTrainer, Run]:
 
     data = load_raw_datasets(data_args, seed=training_args.seed)
     check_columns(data, data_args, task)
+    check_eval_data(data, data_args, training_args)
     labels = None
     if task != "pretrain":
         data, labels = encode_labels(data, data_args.label_column)
-    tokenizer = build_tokenizer(model_args, data["train"][data_args.text_column], training_args)
+    tokenizer = build_tokenizer(model_args, data["train"][data_args.text_column], training_args, resume)
     image_size = data_args.image_size or 64
     model = build_model(model_args, data_args, tokenizer, labels, image_size)
     image_size = model.config.vision_config.image_size
@@ -188,7 +205,8 @@ def build_trainer(argv: list[str] | None = None) -> tuple[MMFusionTrainer, Run]:
         def preprocess_logits(logits, labels):
             return (logits[0] if isinstance(logits, tuple) else logits).argmax(-1)
 
-    if training_args.early_stopping_patience is not None and training_args.metric_for_best_model is None:
+    if training_args.early_stopping_patience is not None and training_args.metric_for_best_model_is_default:
+        # "Best" is the task's metric (TrainingArguments alone would pick the evaluation loss).
         training_args.metric_for_best_model = main_metric
         training_args.greater_is_better = True
 
@@ -251,6 +269,7 @@ def train_and_save(trainer: MMFusionTrainer, run: Run) -> dict:
     return results
 
 
+@record  # under torchrun / accelerate launch, a failing rank's error is reported with the run's summary
 def main(argv: list[str] | None = None) -> dict:
     """Everything: `accelerate launch scripts/train.py [config.yaml] [--flags]`."""
     trainer, run = build_trainer(argv)

@@ -94,6 +94,8 @@ def test_collator_names_missing_columns(prepared):
         ImageTextCollator(data.images)([trimmed[0]])
     with pytest.raises(ValueError, match=r"lacks the columns \['image_key'\]"):
         ImageTextCollator(data.images.remove_columns("image_key"))
+    with pytest.raises(ValueError, match="empty list of pairs"):
+        ImageTextCollator(data.images)([])
 
 
 def test_augmentation_runs_per_batch_on_uint8_and_never_touches_the_cache(prepared):

@@ -6,7 +6,7 @@ import os
 
 import numpy as np
 import pytest
-from datasets import Array3D, Dataset, DatasetDict, Features, Value
+from datasets import Array3D, Dataset, DatasetDict, Features, Value, concatenate_datasets
 from datasets import Image as ImageFeature
 from PIL import Image
 
@@ -113,8 +113,10 @@ def test_planted_bad_files_are_quarantined_with_reasons(corpus, tmp_path):
     expected = {i: reason for i, (_, reason) in corpus["bad"].items()}
     expected["dup"] = "duplicate_id"
     assert {k: v for k, v in reasons.items() if k != "dup"} == {k: v for k, v in expected.items() if k != "dup"}
-    assert [q["id"] for q in quarantine].count("dup") == 2  # both rows sharing an id are left out
-    assert reasons["dup"] == "duplicate_id"
+    # The first row with an id is kept; the repeat is left out, and its reason points at the row kept.
+    repeats = [q for q in quarantine if q["id"] == "dup"]
+    assert len(repeats) == 1 and repeats[0]["source"] == "gray.png"
+    assert repeats[0]["reason"].startswith("duplicate_id") and "row 18, which is kept" in repeats[0]["reason"]
     sources = {q["id"]: q["source"] for q in quarantine}
     assert sources["bad-truncated"] == "truncated.png" and sources["bad-escape"] == "../outside.png"
 
@@ -122,8 +124,9 @@ def test_planted_bad_files_are_quarantined_with_reasons(corpus, tmp_path):
     assert on_disk == quarantine
     assert all(set(q) == {"id", "source", "reason"} for q in on_disk)
 
-    good_ids = [r["id"] for r in corpus["rows"] if r["id"].startswith("ok-")]
+    good_ids = [r["id"] for r in corpus["rows"] if r["id"].startswith("ok-")] + ["dup"]
     assert clean["id"] == good_ids  # every good row kept, in order
+    assert clean["input_ids"][-1] == corpus["tokenizer"]("first of two rows sharing an id")["input_ids"]
     assert len(clean) + len(quarantine) == len(corpus["rows"])
 
 
@@ -131,7 +134,9 @@ def test_kept_rows_stay_aligned(corpus):
     """After bad rows are left out, each kept pair's image, ids and label still come from the same input row."""
     prepared = _prepare(corpus)
     tokenizer = corpus["tokenizer"]
-    rows = {r["id"]: r for r in corpus["rows"]}
+    rows = {}
+    for r in corpus["rows"]:
+        rows.setdefault(r["id"], r)  # of rows sharing an id, the first is the one kept
     images = prepared.images
     # Stored as uint8 in Arrow (datasets' numpy/torch formatters upcast integers to int64 when reading).
     assert images.features["pixel_values"] == Array3D(shape=(3, SIZE, SIZE), dtype="uint8")
@@ -160,13 +165,17 @@ def test_odd_modes_become_rgb(corpus):
     assert load_image("rgba.png", root).getpixel((5, 5)) == (255, 0, 0)
     assert load_image("palette.png", root).getpixel((0, 0)) == (0, 255, 0)
     assert load_image("i16.png", root).getpixel((0, 0)) == (255, 255, 255)  # 16-bit full scale -> 255, not clipped
+    # 12-bit sensor data in a 16-bit PNG (0-4095): read against 4095, not 65535, which turned it nearly black.
+    values = np.linspace(0, 4095, 20).astype(np.uint16)
+    twelve_bit = np.asarray(load_image(_png_bytes(Image.fromarray(np.tile(values, (20, 1))))))
+    assert np.array_equal(twelve_bit[7, :, 1], np.round(values / 4095 * 255)) and twelve_bit.max() == 255
     assert load_image("gray.png", root).getpixel((3, 3)) == (77, 77, 77)
     for name in ("la.png", "cmyk.jpg", "rgb.png"):
         assert load_image(name, root).mode == "RGB"
 
 
 def test_on_bad_sample_error_raises_with_counts(corpus):
-    with pytest.raises(ValueError, match=r"12 of 20 rows are unusable \(.*truncated: 1.*\)"):
+    with pytest.raises(ValueError, match=r"11 of 20 rows are unusable \(.*truncated: 1.*\)"):
         _prepare(corpus, on_bad_sample="error")
     with pytest.raises(ValueError, match="on_bad_sample must be one of skip, error"):
         _prepare(corpus, on_bad_sample="ignore")
@@ -237,7 +246,7 @@ def test_quarantine_report_is_rewritten_even_when_empty(corpus, tmp_path):
     """A clean run writes an empty report, so a report left by an earlier run cannot be mistaken for this one's."""
     report = tmp_path / "quarantine.jsonl"
     _prepare(corpus, quarantine_path=report)
-    assert len(report.read_text().splitlines()) == 12
+    assert len(report.read_text().splitlines()) == 11
     good = load_pairs(corpus["pairs"]).filter(lambda row: row["id"].startswith("ok-"))
     prepared = prepare_dataset(
         good, corpus["tokenizer"], id_column="id", image_size=SIZE, data_root=corpus["root"], quarantine_path=report
@@ -248,7 +257,9 @@ def test_quarantine_report_is_rewritten_even_when_empty(corpus, tmp_path):
 def test_dataset_dict_shares_one_images_table(corpus):
     """Splits that use the same picture point to one row of one images table; the report names the split."""
     pairs = load_pairs(corpus["pairs"])
-    data = DatasetDict({"train": pairs.select(range(0, 20, 2)), "test": pairs.select(range(1, 20, 2))})
+    gray_again = pairs.select([6]).map(lambda row: {"id": "gray-again"})  # row 6 (train) asks about gray.png too
+    test = concatenate_datasets([pairs.select(range(1, 20, 2)), gray_again])
+    data = DatasetDict({"train": pairs.select(range(0, 20, 2)), "test": test})
     prepared = _prepare({**corpus}, data=data)
     assert set(prepared.pairs) == {"train", "test"}
     assert len(prepared.images) == len({r["image"] for r in corpus["rows"]})
@@ -257,6 +268,8 @@ def test_dataset_dict_shares_one_images_table(corpus):
     assert len(train_gray) == 1 and train_gray == test_gray
     splits = {q["id"]: q["split"] for q in prepared.quarantine}
     assert splits["bad-truncated"] == "train" and splits["bad-notimage"] == "test"
-    # Ids only need to be unique within a split: "dup" occurs once in each split here.
-    assert "dup" not in splits
-    assert sum(len(s) for s in prepared.pairs.values()) + len(prepared.quarantine) == len(corpus["rows"])
+    # Ids are unique across splits: "dup" is kept in train (its first row) and its repeat in test is left out.
+    assert "dup" in prepared.pairs["train"]["id"] and splits["dup"] == "test"
+    reason = next(q["reason"] for q in prepared.quarantine if q["id"] == "dup")
+    assert reason.startswith("duplicate_id") and "row 9 of the train split, which is kept" in reason
+    assert sum(len(s) for s in prepared.pairs.values()) + len(prepared.quarantine) == len(corpus["rows"]) + 1

@@ -328,3 +328,52 @@ def test_error_labels_out_of_range(tester):
         model(**inputs, labels=torch.full((3, 5), 2.0))
     # -100 is the ignore index and is accepted.
     assert torch.isfinite(model(**inputs, labels=torch.tensor([0, -100, 1])).loss)
+
+
+@pytest.mark.parametrize(
+    "head, typo",
+    [(MMFusionForImageTextClassification, "lables"), (MMFusionForPretraining, "retrun_loss"), (MMFusionModel, "imgs")],
+)
+def test_error_misspelt_keyword_argument(tester, head, typo):
+    """A misspelt `labels` used to be swallowed by `**kwargs`: no loss, no error."""
+    model = head(tester.config()).eval()
+    with pytest.raises(TypeError, match=typo):
+        model(**tester.inputs(), **{typo: torch.tensor([0, 1, 2])})
+
+
+@pytest.mark.parametrize("head", HEADS)
+def test_collator_bookkeeping_keys_are_accepted_and_ignored(tester, head):
+    model = head(tester.config()).eval()
+    inputs = tester.inputs()
+    extra = {"image_rows": torch.tensor([4, 4, 9]), "sample_ids": ["a", "b", "c"]}
+    _assert_close(_outputs(model, {**inputs, **extra}), _outputs(model, inputs), atol=0)
+
+
+def test_error_empty_batch_and_texts_longer_than_the_positions(tester):
+    model = MMFusionForImageTextClassification(tester.config()).eval()
+    inputs = tester.inputs()
+    with pytest.raises(ValueError, match="Empty batch: pixel_values holds 0 images and input_ids 0 texts"):
+        model(**{k: v[:0] for k, v in inputs.items()})
+    too_long = torch.ones(3, 65, dtype=torch.long)  # the tiny BERT has 64 positions
+    with pytest.raises(ValueError, match="input_ids has 65 tokens per text.*position embeddings for 64.*max_length"):
+        model(pixel_values=inputs["pixel_values"], input_ids=too_long)
+
+
+def test_error_image_index_outside_the_images(tester):
+    model = MMFusionForImageTextClassification(tester.config()).eval()
+    inputs = tester.inputs()
+    pixel_values = inputs["pixel_values"][:2]
+    for bad in ([0, -1, 1], [0, 2, 1]):  # -1 used to wrap around to the last image
+        with pytest.raises(ValueError, match=rf"rows of pixel_values in \[0, 2\); got \[{bad[1]}\]"):
+            model(**{**inputs, "pixel_values": pixel_values}, image_index=torch.tensor(bad))
+
+
+def test_integer_pixels_are_read_as_0_255_not_as_normalised(tester):
+    model = MMFusionForImageTextClassification(tester.config()).eval()
+    inputs = tester.inputs()
+    pixels = torch.randint(0, 256, inputs["pixel_values"].shape, generator=torch.Generator().manual_seed(0))
+    as_uint8 = _outputs(model, {**inputs, "pixel_values": pixels.to(torch.uint8)})
+    for dtype in (torch.int64, torch.int32, torch.int16):
+        _assert_close(_outputs(model, {**inputs, "pixel_values": pixels.to(dtype)}), as_uint8, atol=0)
+    with pytest.raises(ValueError, match=r"Integer pixel_values \(torch.int64\).*range over \[0, 300\]"):
+        model(**{**inputs, "pixel_values": pixels.clamp(max=254).index_fill(0, torch.tensor([1]), 300)})

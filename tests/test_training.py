@@ -171,7 +171,10 @@ def test_early_stopping_stops_and_keeps_the_best(train_script, tmp_path):
         (["--text_column", "nope"], "available columns"),
         (["--text_column", "image_id"], "must hold text"),
         (["--label_column", "image_id", "--eval_split", "test"], "the training data does not"),
-        (["--resume_from_checkpoint", "/tmp"], "is not a Trainer checkpoint"),
+        (
+            ["--resume_from_checkpoint", "/tmp"],
+            "is not a complete Trainer checkpoint: .*trainer_state.json is missing",
+        ),
         (["--task", "ocr"], "--task must be one of"),
         (["--fp16", "True"], "fp16 needs a GPU"),
     ],
@@ -339,3 +342,74 @@ def test_flops_count_images_and_texts(tester):
     assert flops > text_only  # the default count sees only text tokens; the 225 patches per image dominate here
     shared = {**inputs, "pixel_values": inputs["pixel_values"][:1]}
     assert model.floating_point_ops(shared) < flops  # one image encoded once costs less than three
+
+
+@pytest.mark.parametrize("script", sorted(p.name for p in (ROOT / "scripts").glob("*.py")))
+def test_every_script_help_runs(script):
+    """The README lists `python scripts/train.py --help`; a bare `%` in one help string used to crash it."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / script), "--help"], capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    text = " ".join(done.stdout.split())
+    assert text.startswith("usage:")
+    if script == "train.py":
+        assert "--validation_split_percentage" in text and "hold out this percentage of the training pairs" in text
+
+
+def test_config_keys_and_flags_must_be_spelt_out(train_script, tmp_path):
+    """argparse would take `learning_rat` as an abbreviation of `learning_rate`."""
+    config = tmp_path / "run.yaml"
+    config.write_text("num_train_epochs: 1\nlearning_rat: 0.1\n")
+    with pytest.raises(ValueError, match=r"run.yaml: 'learning_rat' is not an option.*Did you mean 'learning_rate'"):
+        train_script.parse_args([str(config)])
+    with pytest.raises(ValueError, match="learning_rat"):
+        train_script.parse_args(["--learning_rat", "0.1"])
+
+
+def test_no_evaluation_data_is_an_error_before_any_preprocessing(train_script, tmp_path):
+    pairs = make_pairs(tmp_path / "data", 8)
+    flags = ["--task", "classify", "--dataset", str(pairs), "--data_root", str(tmp_path / "data"), "--image_column",
+             "file", "--text_column", "caption", "--label_column", "label"]  # fmt: skip
+    with pytest.raises(ValueError, match="--eval_strategy steps needs evaluation pairs.*--eval_strategy no"):
+        train_script.build_trainer(["--output_dir", str(tmp_path / "out"), *TINY, *flags])
+    assert not (tmp_path / "out").exists()  # nothing was preprocessed or written
+    trainer, _ = train_script.build_trainer(
+        ["--output_dir", str(tmp_path / "out"), *TINY, *flags, "--eval_strategy", "no"]
+    )
+    assert trainer.eval_dataset is None
+
+
+def test_a_given_tokenizer_and_a_fresh_nested_output_dir(train_script, tmp_path):
+    from mm_fusion import train_tokenizer
+
+    train_tokenizer(["what shape is it?", "what colour is the circle?"], vocab_size=300).save_pretrained(
+        tmp_path / "tok"
+    )
+    out = tmp_path / "new" / "nested" / "out"
+    run(train_script, tmp_path, "--output_dir", str(out), "--tokenizer_name_or_path", str(tmp_path / "tok"),
+        "--max_steps", "1", "--eval_strategy", "no", samples=16)  # fmt: skip
+    assert (out / "quarantine.jsonl").read_text() == "" and (out / "model.safetensors").is_file()
+
+
+def test_validation_split_keeps_the_rows_of_an_id_together():
+    """A repeated id used to land on both sides of the split (`--seed 44 --validation_split_percentage 10`) and be
+    trained and evaluated on; now both rows go to one side, where prepare_dataset keeps the first."""
+    from datasets import Dataset
+
+    from mm_fusion.training import split_off_eval
+
+    ids = [f"r{i}" for i in range(40)]
+    ids[31] = "r5"  # row 31 repeats the id of row 5
+    data = Dataset.from_dict({"id": ids, "text": [f"text {i}" for i in range(40)]})
+    for seed in range(30):
+        parts = split_off_eval(data, 0.1, seed=seed, id_column="id")
+        assert len(parts["train"]) + len(parts["eval"]) == 40
+        sides = [side for side, part in parts.items() if "r5" in part["id"]]
+        assert len(sides) == 1 and list(parts[sides[0]]["id"]).count("r5") == 2, seed
+    # Without repeated ids it holds out the same rows as datasets' own split of the rows.
+    unique = Dataset.from_dict({"id": [f"r{i}" for i in range(40)]})
+    expected = unique.train_test_split(test_size=0.1, seed=44)["test"]["id"]
+    assert sorted(split_off_eval(unique, 0.1, seed=44, id_column="id")["eval"]["id"]) == sorted(expected)

@@ -106,6 +106,8 @@ class ImageTextCollator:
         self.blank = blank
 
     def __call__(self, features: list[dict[str, Any]]) -> dict[str, Any]:
+        if not features:
+            raise ValueError("ImageTextCollator got an empty list of pairs; a batch needs at least one.")
         missing = {"id", "image_index", "image_key", "input_ids"} - set(features[0])
         if missing:
             raise ValueError(

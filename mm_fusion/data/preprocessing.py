@@ -10,6 +10,7 @@ import hashlib
 import io
 import json
 import logging
+import math
 import os
 from collections import Counter
 from dataclasses import dataclass
@@ -41,14 +42,27 @@ class BadSample(Exception):
         self.detail = detail
 
 
+def _to_8_bit(image: Image.Image) -> Image.Image:
+    """
+    A 16/32-bit integer or float grayscale image as 8-bit. Integer values are read against the full scale of the
+    bit depth they use (12-bit sensor data stored in 16 bits: 4095, not 65535), so an image that does not span its
+    container's range keeps its contrast instead of turning black; floats in [0, 1] against 1.
+    """
+    array = np.asarray(image, dtype=np.float64)
+    top = float(array.max()) if array.size else 0.0
+    if image.mode == "F" and top <= 1.0:
+        full_scale = 1.0
+    else:
+        full_scale = float(2 ** max(8, math.ceil(math.log2(max(top, 0.0) + 1))) - 1)
+    return Image.fromarray(np.clip(array / full_scale * 255.0, 0, 255).round().astype(np.uint8), mode="L")
+
+
 def to_rgb(image: Image.Image) -> Image.Image:
     """Convert any PIL mode to RGB: transparency is composited on white, 16/32-bit and float images are rescaled."""
     if image.mode == "RGB":
         return image
     if image.mode in ("I;16", "I;16B", "I;16L", "I", "F"):
-        array = np.asarray(image, dtype=np.float64)
-        high = 65535.0 if image.mode.startswith("I;16") else max(float(array.max()), 1.0)
-        image = Image.fromarray(np.clip(array / high * 255.0, 0, 255).astype(np.uint8), mode="L")
+        image = _to_8_bit(image)
     if image.mode == "P":
         image = image.convert("RGBA" if "transparency" in image.info else "RGB")
     if image.mode in ("RGBA", "LA", "PA"):
@@ -253,7 +267,8 @@ def prepare_dataset(
             The pairs. A `DatasetDict` gives one `pairs` split per split and one images table for all of them, so one
             collator serves training and evaluation.
         image_column, text_column, id_column, label_column (`str`):
-            Column names. Without an id column, ids are the row numbers. Ids must be unique (within a split).
+            Column names. Without an id column, ids are the row numbers (of each split). Ids from an id column must
+            be unique across all splits: the first row with an id is kept and every later one is quarantined.
         image_size (`int`, *optional*, defaults to 224):
             Images are resized to `image_size` x `image_size`.
         on_bad_sample (`str`, *optional*, defaults to `"skip"`):
@@ -298,8 +313,9 @@ def prepare_dataset(
 
     image_table = images.select_columns(["source", "error"]).to_dict()
     quarantine, pairs = [], {}
+    first_rows: dict[str, str] = {}  # id -> where its first row is; row-number ids are only unique within a split
     for split, dataset in prepared.items():
-        bad_rows, bad = _quarantine(dataset, image_table)
+        bad_rows, bad = _quarantine(dataset, image_table, first_rows if id_column else {}, split)
         quarantine += [{**q, "split": split} for q in bad] if split else bad
         keep = set(bad_rows)
         clean = dataset.select([i for i in range(len(dataset)) if i not in keep]) if keep else dataset
@@ -315,6 +331,7 @@ def prepare_dataset(
             where = f"; details in {quarantine_path}" if quarantine_path is not None else ""
             logger.warning("Left out %d of %d rows (%s)%s.", len(quarantine), total, summary, where)
     if quarantine_path is not None and state.is_local_main_process:
+        os.makedirs(os.path.dirname(os.path.abspath(quarantine_path)), exist_ok=True)
         with open(quarantine_path, "w") as f:
             f.writelines(json.dumps(q) + "\n" for q in quarantine)
     return PreparedData(
@@ -447,25 +464,27 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return Hasher.hash([type(tokenizer).__name__, pipeline, settings])
 
 
-def _quarantine(pairs: Dataset, image_table: dict[str, list]) -> tuple[list[int], list[dict[str, str]]]:
+def _quarantine(
+    pairs: Dataset, image_table: dict[str, list], first_rows: dict[str, str], split: str
+) -> tuple[list[int], list[dict[str, str]]]:
     """
-    Pairs whose image failed, whose text or label is bad, or whose id is not unique: their row indices and report
-    entries.
+    Pairs whose image failed, whose text or label is bad, or whose id was already used (by an earlier row of this
+    split or, with `first_rows` shared between splits, of an earlier split): their row indices and report entries.
+    The first row of an id is kept; `first_rows` records where it is.
     """
     table = pairs.select_columns(["id", "image_index", "error"]).to_dict()
-    ids, image_index, errors = table["id"], table["image_index"], table["error"]
-    rows_by_id: dict[str, list[int]] = {}
-    for row, sample_id in enumerate(ids):
-        rows_by_id.setdefault(sample_id, []).append(row)
     bad_rows, quarantine = [], []
-    for row, (sample_id, image, error) in enumerate(zip(ids, image_index, errors)):
+    for row, (sample_id, image, error) in enumerate(zip(table["id"], table["image_index"], table["error"])):
         if image < 0:
             source, image_error = "<none>", "missing_image: no image given"
         else:
             source, image_error = image_table["source"][image], image_table["error"][image]
         error = image_error or error
-        if not error and len(rows_by_id[sample_id]) > 1:
-            error = f"duplicate_id: id {sample_id!r} is used by rows {rows_by_id[sample_id]}"
+        if sample_id in first_rows:
+            error = error or f"duplicate_id: id {sample_id!r} was already used by {first_rows[sample_id]}"
+        else:
+            where = f"row {row}" + (f" of the {split} split" if split else "")
+            first_rows[sample_id] = where + (" (itself left out)" if error else ", which is kept")
         if error:
             bad_rows.append(row)
             quarantine.append({"id": sample_id, "source": source, "reason": error})

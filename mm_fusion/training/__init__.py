@@ -7,23 +7,33 @@ from .arguments import DataArguments, MMFusionTrainingArguments, ModelArguments
 from .builders import (
     build_config,
     check_columns,
-    check_resume_path,
+    check_eval_data,
     encode_labels,
     load_raw_datasets,
     model_class,
     parse_overrides,
+    split_off_eval,
 )
 from .callbacks import MMFusionMonitorCallback, add_monitor
+from .checkpoints import (
+    CheckpointError,
+    checkpoint_problem,
+    last_complete_checkpoint,
+    load_checkpoint_weights,
+    resolve_resume_checkpoint,
+)
 from .launch import check_launch, model_card_context
 from .metrics import load_metric
 from .model_card import plot_training_curves, write_model_card
-from .sampler import MMFusionImageGroupedSampler
+from .sampler import MMFusionImageGroupedSampler, MMFusionLengthGroupedSampler
 from .trainer import MMFusionTrainer
 
 
 __all__ = [
+    "CheckpointError",
     "DataArguments",
     "MMFusionImageGroupedSampler",
+    "MMFusionLengthGroupedSampler",
     "MMFusionMonitorCallback",
     "MMFusionTrainer",
     "MMFusionTrainingArguments",
@@ -31,14 +41,19 @@ __all__ = [
     "add_monitor",
     "build_config",
     "check_columns",
+    "check_eval_data",
     "check_launch",
-    "check_resume_path",
+    "checkpoint_problem",
     "encode_labels",
+    "last_complete_checkpoint",
+    "load_checkpoint_weights",
     "load_metric",
     "load_raw_datasets",
     "model_card_context",
     "model_class",
     "parse_overrides",
     "plot_training_curves",
+    "resolve_resume_checkpoint",
+    "split_off_eval",
     "write_model_card",
 ]

@@ -2,6 +2,8 @@
 
 import os
 from dataclasses import dataclass, field
+from datetime import timedelta
+from functools import cached_property
 
 import torch
 from transformers import TrainingArguments
@@ -77,7 +79,7 @@ class DataArguments:
         default="test", metadata={"help": "Evaluation split of a hub / easy_vqa dataset (empty: none)."}
     )
     validation_split_percentage: int | None = field(
-        default=None, metadata={"help": "Without an evaluation set: hold out this % of the training pairs."}
+        default=None, metadata={"help": "Without an evaluation set: hold out this percentage of the training pairs."}
     )
     image_column: str | None = field(default=None, metadata={"help": "Image column (easy_vqa: image)."})
     text_column: str | None = field(default=None, metadata={"help": "Text column (easy_vqa: question)."})
@@ -177,6 +179,8 @@ class MMFusionTrainingArguments(TrainingArguments):
             self.dataloader_pin_memory = False  # pinned host memory only helps copies to an accelerator
         if self.group_by_image and self.train_sampling_strategy == "group_by_length":
             raise ValueError("group_by_image and train_sampling_strategy=group_by_length exclude each other.")
+        # TrainingArguments would fill in the evaluation loss; scripts/train.py puts the task's metric there instead.
+        self.metric_for_best_model_is_default = self.metric_for_best_model is None
         if self.early_stopping_patience is not None:
             self.load_best_model_at_end = True
             if self.save_strategy != self.eval_strategy:
@@ -188,3 +192,15 @@ class MMFusionTrainingArguments(TrainingArguments):
             # (otherwise each rank sets itself up as a lone process).
             self.use_cpu = True
         super().__post_init__()
+
+    @cached_property
+    def _setup_devices(self) -> torch.device:
+        # TrainingArguments hands `ddp_timeout` to the process group only when not `use_cpu`, so a multi-CPU run got
+        # gloo's 30-minute default and a stalled rank hung the others that long. Set the group up with it here;
+        # accelerate then uses the group as it is.
+        distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
+        if self.use_cpu and distributed and not torch.distributed.is_initialized():
+            torch.distributed.init_process_group(
+                backend=self.ddp_backend or "gloo", timeout=timedelta(seconds=self.ddp_timeout)
+            )
+        return TrainingArguments._setup_devices.func(self)

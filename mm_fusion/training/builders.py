@@ -3,9 +3,8 @@
 import json
 import os
 import re
-from pathlib import Path
 
-from datasets import ClassLabel, DatasetDict, Value
+from datasets import ClassLabel, Dataset, DatasetDict, Json, Value
 
 from ..configuration_mm_fusion import MMFusionConfig
 from ..data import load_easy_vqa, load_pairs
@@ -35,13 +34,42 @@ def load_raw_datasets(data_args: DataArguments, seed: int = 42) -> DatasetDict:
         elif not local and data_args.eval_split:
             data["eval"] = load_pairs(data_args.dataset, split=data_args.eval_split)
     if "eval" not in data and data_args.validation_split_percentage:
-        parts = data["train"].train_test_split(test_size=data_args.validation_split_percentage / 100, seed=seed)
-        data = {"train": parts["train"], "eval": parts["test"]}
+        fraction = data_args.validation_split_percentage / 100
+        data = split_off_eval(data["train"], fraction, seed=seed, id_column=data_args.id_column)
     if data_args.max_train_samples is not None:
         data["train"] = data["train"].select(range(min(data_args.max_train_samples, len(data["train"]))))
     if "eval" in data and data_args.max_eval_samples is not None:
         data["eval"] = data["eval"].select(range(min(data_args.max_eval_samples, len(data["eval"]))))
     return DatasetDict(data)
+
+
+def split_off_eval(dataset: Dataset, fraction: float, seed: int, id_column: str | None = None) -> dict[str, Dataset]:
+    """
+    Hold out `fraction` of the pairs for evaluation (`datasets`' `train_test_split`). With an id column the held-out
+    part is drawn among the distinct ids, so every row of an id lands on the same side: a repeated id never puts one
+    copy in training and the other in evaluation, and `prepare_dataset` keeps its first row and quarantines the
+    repeats. Without repeated ids this holds out the same pairs as a split of the rows.
+    """
+    if id_column is None:
+        parts = dataset.train_test_split(test_size=fraction, seed=seed)
+        return {"train": parts["train"], "eval": parts["test"]}
+    ids = [str(x) for x in dataset[id_column]]  # as prepare_dataset reads them
+    distinct = Dataset.from_dict({"id": list(dict.fromkeys(ids))})
+    held_out = set(distinct.train_test_split(test_size=fraction, seed=seed)["test"]["id"])
+    rows = {False: [], True: []}
+    for row, sample_id in enumerate(ids):
+        rows[sample_id in held_out].append(row)
+    return {"train": dataset.select(rows[False]), "eval": dataset.select(rows[True])}
+
+
+def check_eval_data(data: DatasetDict, data_args: DataArguments, training_args) -> None:
+    """An evaluation strategy without evaluation pairs is an error now, not after the preprocessing."""
+    if "eval" not in data and training_args.eval_strategy != "no":
+        raise ValueError(
+            f"--eval_strategy {training_args.eval_strategy.value} needs evaluation pairs, and {data_args.dataset!r} "
+            "gives none. Pass --eval_dataset FILE or --validation_split_percentage N, or train without evaluation "
+            "with --eval_strategy no."
+        )
 
 
 def check_columns(data: DatasetDict, data_args: DataArguments, task: str) -> None:
@@ -63,7 +91,9 @@ def check_columns(data: DatasetDict, data_args: DataArguments, task: str) -> Non
                     f"{dataset.column_names}."
                 )
         feature = dataset.features[data_args.text_column]
-        if not (isinstance(feature, Value) and feature.dtype in TEXT_TYPES):
+        # A column of mixed types (e.g. a few numbers among the strings of a jsonl) is read as `Json`; its rows are
+        # checked one by one and the non-strings quarantined, rather than the whole column refused.
+        if not (isinstance(feature, Value) and feature.dtype in TEXT_TYPES or isinstance(feature, Json)):
             raise ValueError(
                 f"--text_column {data_args.text_column!r} must hold text, but its type in the {split} data is "
                 f"{feature}. Columns: {dataset.features}."
@@ -173,23 +203,3 @@ def model_class(task: str):
     from ..modeling_mm_fusion import MMFusionForImageTextClassification, MMFusionForPretraining
 
     return MMFusionForPretraining if task == "pretrain" else MMFusionForImageTextClassification
-
-
-def check_resume_path(path: str | None, output_dir: str) -> str | bool | None:
-    """A `--resume_from_checkpoint` value checked: a Trainer checkpoint directory, or `last` for the newest one."""
-    if path is None:
-        return None
-    from transformers.trainer_utils import get_last_checkpoint
-
-    if path in ("last", "true", "True"):
-        last = get_last_checkpoint(output_dir) if os.path.isdir(output_dir) else None
-        if last is None:
-            raise ValueError(f"--resume_from_checkpoint {path}: there is no checkpoint-* directory in {output_dir}.")
-        return last
-    checkpoint = Path(path)
-    if not (checkpoint.is_dir() and (checkpoint / "trainer_state.json").is_file()):
-        raise ValueError(
-            f"--resume_from_checkpoint {path!r} is not a Trainer checkpoint (a directory with trainer_state.json, "
-            f"such as {output_dir}/checkpoint-500); use `last` for the newest one in --output_dir."
-        )
-    return str(checkpoint)

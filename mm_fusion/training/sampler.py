@@ -1,12 +1,32 @@
-"""A training sampler that keeps the questions about one image together, so a batch encodes few distinct images."""
+"""Training samplers whose order depends only on a seed and the epoch, so a resumed run draws the same batches."""
 
 from collections.abc import Iterator, Sequence
 
 import torch
 from torch.utils.data import Sampler
+from transformers.trainer_pt_utils import LengthGroupedSampler
 
 
-class MMFusionImageGroupedSampler(Sampler[int]):
+class _EpochSeeded:
+    """`set_epoch` (called by Trainer / accelerate at every epoch) and a generator seeded with `seed + epoch`."""
+
+    seed: int = 0
+    epoch: int = 0
+    _epoch_set: bool = False
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+        self._epoch_set = True
+
+    def _epoch_generator(self) -> torch.Generator:
+        generator = torch.Generator().manual_seed(self.seed + self.epoch)
+        if not self._epoch_set:
+            self.epoch += 1  # nobody calls set_epoch: still reshuffle every pass
+        self._epoch_set = False
+        return generator
+
+
+class MMFusionImageGroupedSampler(_EpochSeeded, Sampler[int]):
     """
     Yields the dataset's indices image by image: images in a random order, and the pairs of each image (shuffled)
     one after the other. Cut into batches, each batch then holds the pairs of a few images, which the collator
@@ -36,22 +56,12 @@ class MMFusionImageGroupedSampler(Sampler[int]):
             self.groups.setdefault(int(row), []).append(i)
         self.num_samples = len(image_index)
         self.seed = seed
-        self.epoch = 0
-        self._epoch_set = False
-
-    def set_epoch(self, epoch: int) -> None:
-        """Called by Trainer / accelerate at the start of each epoch."""
-        self.epoch = epoch
-        self._epoch_set = True
 
     def __len__(self) -> int:
         return self.num_samples
 
     def __iter__(self) -> Iterator[int]:
-        generator = torch.Generator().manual_seed(self.seed + self.epoch)
-        if not self._epoch_set:
-            self.epoch += 1  # nobody calls set_epoch: still reshuffle every pass
-        self._epoch_set = False
+        generator = self._epoch_generator()
         runs = []
         for group in self.groups.values():
             shuffled = [group[j] for j in torch.randperm(len(group), generator=generator).tolist()]
@@ -59,3 +69,28 @@ class MMFusionImageGroupedSampler(Sampler[int]):
             runs += [shuffled[i : i + size] for i in range(0, len(shuffled), size)]
         for r in torch.randperm(len(runs), generator=generator).tolist():
             yield from runs[r]
+
+
+class MMFusionLengthGroupedSampler(_EpochSeeded, LengthGroupedSampler):
+    """
+    Trainer's `group_by_length` sampler (batches of similar text lengths), made resumable: its shuffle is drawn from
+    a generator seeded with `seed` and the epoch instead of the global RNG. A run resumed mid-epoch starts from a
+    global RNG state that differs from the one the interrupted run had at that epoch's start, so the stock sampler
+    draws another order and the resumed epoch repeats some samples and skips others.
+
+    Args:
+        batch_size (`int`):
+            Samples per optimizer step (per-device batch size x gradient accumulation steps), as Trainer passes it.
+        lengths (`Sequence[int]`):
+            The length of each sample (the `length` column of `prepare_dataset`).
+        seed (`int`, *optional*, defaults to 0):
+            Seed of the shuffling; epoch `e` uses `seed + e`.
+    """
+
+    def __init__(self, batch_size: int, lengths: Sequence[int], seed: int = 0):
+        super().__init__(batch_size, lengths=list(lengths))
+        self.seed = seed
+
+    def __iter__(self) -> Iterator[int]:
+        self.generator = self._epoch_generator()
+        return super().__iter__()

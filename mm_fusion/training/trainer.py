@@ -1,22 +1,39 @@
-"""`Trainer` for MMFusion: the stock one, with image-grouped batches and retrieval evaluation for pretraining."""
+"""`Trainer` for MMFusion: the stock one, with image-grouped batches, retrieval evaluation and exact resumption."""
+
+import json
+import os
 
 import torch
 from transformers import Trainer
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from .sampler import MMFusionImageGroupedSampler
+from .checkpoints import load_checkpoint_weights
+from .sampler import MMFusionImageGroupedSampler, MMFusionLengthGroupedSampler
+
+
+# Written into each checkpoint: the sum of every optimizer step's training loss up to it, so that a resumed run
+# reports the mean over the whole run (Trainer's `train_loss` averages only the steps of the current `train()` call).
+LOSS_TOTAL_FILE = "train_loss_total.json"
 
 
 class MMFusionTrainer(Trainer):
     """
-    [`Trainer`] with three additions the stock one lacks:
+    [`Trainer`] with what the stock one lacks or gets wrong for these models:
 
     - `group_by_image` (from [`MMFusionTrainingArguments`]): batches hold the pairs of a few images
       ([`MMFusionImageGroupedSampler`]), which the collator delivers once each;
+    - `train_sampling_strategy="group_by_length"` with an order seeded by the epoch
+      ([`MMFusionLengthGroupedSampler`]), so that a resumed run draws the interrupted run's batches;
     - `eval_data_collator`: a collator for evaluation and prediction (the training one may augment);
     - evaluation of [`MMFusionForPretraining`]: the loss (ITC + ITM) and, as predictions, the image and text
-      embeddings with each pair's image row as label, for retrieval Recall@K in `compute_metrics`.
+      embeddings with each pair's image row as label, for retrieval Recall@K in `compute_metrics`;
+    - exact weight loading on resume and for `load_best_model_at_end` ([`load_checkpoint_weights`]): Trainer loads
+      with `strict=False` and without the key renaming of `from_pretrained`, so a ViT tower saved under its legacy
+      key names silently stayed at its random initialisation; a missing or unexpected key is now an error;
+    - after a resume, `train_loss` is the mean over every step of the run, not only the resumed ones.
 
-    Everything else (mixed precision, accumulation, checkpointing, `gather_for_metrics`, resuming) is Trainer's.
+    Everything else (mixed precision, accumulation, checkpoint writing, `gather_for_metrics`, RNG and data-order
+    restoring) is Trainer's.
     The model card is written by `mm_fusion.training.write_model_card` (`model_card_writer`), also on `push_to_hub`.
     """
 
@@ -24,6 +41,48 @@ class MMFusionTrainer(Trainer):
         super().__init__(*args, **kwargs)
         self.model_card_writer = model_card_writer
         self.eval_data_collator = eval_data_collator
+        self._loss_total_before = None  # (summed step losses, steps) of the checkpoint a run resumed from
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs):
+        self._loss_total_before = None
+        if isinstance(resume_from_checkpoint, str):
+            path = os.path.join(resume_from_checkpoint, LOSS_TOTAL_FILE)
+            if os.path.isfile(path):
+                with open(path) as f:
+                    total = json.load(f)
+                self._loss_total_before = (float(total["train_loss_sum"]), int(total["global_step"]))
+        return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        if self.is_fsdp_enabled or self.is_deepspeed_enabled:  # sharded states: their own loaders
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)
+        load_checkpoint_weights(model if model is not None else self.model, resume_from_checkpoint)
+
+    def _load_best_model(self):
+        if self.is_fsdp_enabled or self.is_deepspeed_enabled:
+            return super()._load_best_model()
+        load_checkpoint_weights(self.model, self.state.best_model_checkpoint)
+
+    def _save_checkpoint(self, model, trial):
+        # Before Trainer's own files, so that `trainer_state.json` stays the last file written (the sign of a
+        # finished save that `checkpoint_problem` looks for).
+        if self.args.should_save:
+            before_sum, _ = self._loss_total_before or (0.0, 0)
+            total = before_sum + self._total_loss_scalar + self._tr_loss.item()
+            folder = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+            folder = os.path.join(self._get_output_dir(trial=trial), folder)
+            os.makedirs(folder, exist_ok=True)
+            with open(os.path.join(folder, LOSS_TOTAL_FILE), "w") as f:
+                json.dump({"train_loss_sum": total, "global_step": self.state.global_step}, f)
+        super()._save_checkpoint(model, trial)
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        if "train_loss" in logs and self._loss_total_before is not None:
+            # In place: the same dict is `train()`'s returned metrics.
+            before_sum, before_steps = self._loss_total_before
+            steps = self.state.global_step - before_steps
+            logs["train_loss"] = (before_sum + logs["train_loss"] * steps) / max(self.state.global_step, 1)
+        super().log(logs, start_time)
 
     def _get_dataloader(self, dataset, description, batch_size, sampler_fn=None, is_training=False, **kwargs):
         """Evaluation and prediction use `eval_data_collator` when given (e.g. the training one augments)."""
@@ -36,11 +95,15 @@ class MMFusionTrainer(Trainer):
             self.data_collator = train_collator
 
     def _get_train_sampler(self, train_dataset=None):
+        dataset = train_dataset if train_dataset is not None else self.train_dataset
+        seed = self.args.data_seed or self.args.seed
         if getattr(self.args, "group_by_image", False):
-            dataset = train_dataset if train_dataset is not None else self.train_dataset
-            seed = self.args.data_seed or self.args.seed
             group_size = getattr(self.args, "image_group_size", None)
             return MMFusionImageGroupedSampler(dataset["image_index"], seed=seed, group_size=group_size)
+        length_column = self.args.length_column_name
+        if self.args.train_sampling_strategy == "group_by_length" and length_column in dataset.column_names:
+            batch_size = self.args.train_batch_size * self.args.gradient_accumulation_steps
+            return MMFusionLengthGroupedSampler(batch_size, dataset[length_column], seed=seed)
         return super()._get_train_sampler(train_dataset)
 
     def _is_pretraining(self, model) -> bool:

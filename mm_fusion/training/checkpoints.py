@@ -1,0 +1,153 @@
+"""Trainer checkpoints: which one to resume from (complete ones only), and loading a model's weights from one exactly.
+
+Trainer writes a checkpoint's files one after the other and `trainer_state.json` last, so a run killed while saving
+leaves a directory without it; a copy that was cut short, or a full disk, leaves truncated files. `get_last_checkpoint`
+would pick such a directory anyway, and resuming from it fails with a traceback that does not name the file.
+"""
+
+import json
+import logging
+import os
+import re
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from transformers import PreTrainedModel
+from transformers.trainer_pt_utils import safe_globals
+
+
+logger = logging.getLogger(__name__)
+
+CHECKPOINT_PATTERN = re.compile(r"^checkpoint-(\d+)$")
+WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
+# Files Trainer loads with `torch.load(weights_only=True)` on resume; `training_args.bin` is never loaded.
+TORCH_FILE_PATTERNS = ("optimizer.pt", "scheduler.pt", "scaler.pt", "rng_state*.pth", "pytorch_model*.bin")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be resumed from or loaded; the message names the file and what is wrong with it."""
+
+
+def checkpoint_problem(checkpoint: str | os.PathLike) -> str | None:
+    """
+    What makes a Trainer checkpoint directory unusable, naming the file: a missing `trainer_state.json` (the save did
+    not finish) or model weights, a truncated or unreadable weights file, or a `torch.load` file that is truncated
+    or holds more than tensors (a pickle payload, refused as `weights_only` loading refuses it). `None` when every
+    file checks out. Reads headers, not tensor data, so it is cheap even for large checkpoints.
+    """
+    path = Path(checkpoint)
+    if not path.is_dir():
+        return f"{path} is not a directory"
+    state = path / "trainer_state.json"
+    if not state.is_file():
+        return f"{state} is missing (the save did not finish)"
+    try:
+        step = json.loads(state.read_text())["global_step"]
+        if not isinstance(step, int):
+            raise TypeError(f"global_step is {step!r}")
+    except (ValueError, KeyError, TypeError) as err:
+        return f"{state} is not a complete trainer state ({type(err).__name__}: {err})"
+    if not any((path / name).is_file() for name in WEIGHT_FILES):
+        return f"{path} has no model weights ({' or '.join(WEIGHT_FILES[::2])})"
+    for file in sorted(path.glob("*.safetensors")):
+        try:
+            with safe_open(file, framework="pt") as weights:
+                weights.keys()
+        except Exception as err:  # safetensors raises its own error type for every kind of damage
+            return f"{file} is truncated or not a safetensors file ({err})"
+    for pattern in TORCH_FILE_PATTERNS:
+        for file in sorted(path.glob(pattern)):
+            try:
+                with safe_globals():  # the allowlist Trainer itself loads RNG states with
+                    torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+            except Exception as err:
+                return f"{file} cannot be loaded safely: truncated, or not only tensors ({type(err).__name__}: {err})"
+    return None
+
+
+def _checkpoints_newest_first(output_dir: str | os.PathLike) -> list[Path]:
+    """The `checkpoint-N` directories of `output_dir`, highest step first."""
+    found = []
+    for entry in Path(output_dir).iterdir():
+        match = CHECKPOINT_PATTERN.match(entry.name)
+        if match and entry.is_dir():
+            found.append((int(match.group(1)), entry))
+    return [entry for _, entry in sorted(found, reverse=True)]
+
+
+def last_complete_checkpoint(output_dir: str | os.PathLike) -> str | None:
+    """
+    The newest checkpoint of `output_dir` that [`checkpoint_problem`] finds nothing wrong with; each newer one that
+    it skips is logged with its problem. `None` when there is no complete checkpoint.
+    """
+    if not os.path.isdir(output_dir):
+        return None
+    for checkpoint in _checkpoints_newest_first(output_dir):
+        problem = checkpoint_problem(checkpoint)
+        if problem is None:
+            return str(checkpoint)
+        logger.warning("Skipping %s, which cannot be resumed from: %s.", checkpoint.name, problem)
+    return None
+
+
+def resolve_resume_checkpoint(value: str | None, output_dir: str) -> str | None:
+    """
+    A `--resume_from_checkpoint` value made a checked checkpoint directory: `last` (or `true`) is the newest complete
+    checkpoint in `output_dir`, falling back past incomplete ones; a path must itself be complete. Raises
+    [`CheckpointError`] naming what is wrong.
+    """
+    if value is None:
+        return None
+    if value in ("last", "true", "True"):
+        last = last_complete_checkpoint(output_dir)
+        if last is None:
+            existing = _checkpoints_newest_first(output_dir) if os.path.isdir(output_dir) else []
+            detail = (
+                "; the ones there are incomplete: " + "; ".join(f"{c.name}: {checkpoint_problem(c)}" for c in existing)
+                if existing
+                else ""
+            )
+            raise CheckpointError(
+                f"--resume_from_checkpoint {value}: there is no complete checkpoint-* directory in {output_dir}"
+                f"{detail}."
+            )
+        return last
+    if not os.path.isdir(value):
+        raise CheckpointError(
+            f"--resume_from_checkpoint {value!r} is not a Trainer checkpoint directory (such as "
+            f"{output_dir}/checkpoint-500); use `last` for the newest complete one in --output_dir."
+        )
+    problem = checkpoint_problem(value)
+    if problem is not None:
+        raise CheckpointError(
+            f"--resume_from_checkpoint {value!r} is not a complete Trainer checkpoint: {problem}. Use `last` to "
+            f"resume from the newest complete one in {output_dir}."
+        )
+    return value
+
+
+def load_checkpoint_weights(model: PreTrainedModel, checkpoint: str | os.PathLike) -> None:
+    """
+    Load the weights saved in `checkpoint` into `model`, exactly, or raise [`CheckpointError`] listing every missing,
+    unexpected or mismatched tensor.
+
+    The weights are read with `from_pretrained`, which maps the key names a tower was saved under to the names its
+    class uses now (transformers 5 saves ViT layers under their legacy names), and then copied with a strict
+    `load_state_dict`. Trainer's own loading reads the file with `strict=False` and no renaming, which leaves such a
+    tower at its random initialisation and only logs a warning.
+    """
+    loaded, info = type(model).from_pretrained(checkpoint, output_loading_info=True)
+    problems = {kind: keys for kind, keys in info.items() if keys}
+    if problems:
+        listed = "; ".join(f"{kind}: {list(keys)[:10]}" for kind, keys in problems.items())
+        raise CheckpointError(f"The weights in {checkpoint} do not fit the model ({listed}).")
+    try:
+        model.load_state_dict(loaded.state_dict(), strict=True)
+    except RuntimeError as err:
+        raise CheckpointError(f"The weights in {checkpoint} do not fit the model: {err}") from None

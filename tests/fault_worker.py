@@ -1,0 +1,81 @@
+"""Run by tests/test_faults.py: `scripts/train.py`'s `main`, with a fault injected and every training batch recorded.
+
+Usage: python tests/fault_worker.py RECORD FAULT [scripts/train.py arguments ...]   (also under torchrun)
+
+FAULT is `none` or `ACTION@STEP[:RANK]` (RANK: every rank when left out), ACTION one of
+- `kill`: SIGKILL this process at the end of optimizer step STEP (a preempted machine, the OOM killer);
+- `stop`: SIGSTOP it there (a stalled rank: alive, but it answers nothing);
+- `raise`: raise a RuntimeError there (a crash in one rank).
+
+RECORD gets one json line per training micro-batch, written before its forward pass: `{"step": the optimizer step it
+belongs to, "ids": the sample ids the batch carries}`; under torchrun, each rank writes RECORD.rank{r}.
+"""
+
+import importlib.util
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+from transformers import TrainerCallback
+
+
+def load_train_script():
+    path = Path(__file__).resolve().parent.parent / "scripts" / "train.py"
+    spec = importlib.util.spec_from_file_location("mm_fusion_train_script", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class InjectFault(TrainerCallback):
+    def __init__(self, fault: str, rank: int):
+        action, _, where = fault.partition("@")
+        step, _, on_rank = where.partition(":")
+        self.action, self.step = action, int(step)
+        self.active = on_rank == "" or int(on_rank) == rank
+        self.rank = rank
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if not (self.active and state.global_step == self.step):
+            return
+        if self.action == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif self.action == "stop":
+            os.kill(os.getpid(), signal.SIGSTOP)
+        else:
+            raise RuntimeError(f"injected failure at step {self.step} on rank {self.rank}")
+
+
+def main() -> None:
+    record_path, fault, argv = sys.argv[1], sys.argv[2], sys.argv[3:]
+    rank = int(os.environ.get("RANK", "0"))
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        record_path = f"{record_path}.rank{rank}"
+    train = load_train_script()
+    build_trainer = train.build_trainer
+
+    def build_trainer_with_fault(args):
+        trainer, run = build_trainer(args)
+        record = open(record_path, "a")
+        compute_loss = trainer.compute_loss
+
+        def recording_compute_loss(model, inputs, *rest, **kwargs):
+            if model.training:
+                line = {"step": trainer.state.global_step + 1, "ids": list(inputs["sample_ids"])}
+                record.write(json.dumps(line) + "\n")
+                record.flush()  # in the OS's hands before a SIGKILL
+            return compute_loss(model, inputs, *rest, **kwargs)
+
+        trainer.compute_loss = recording_compute_loss
+        if fault != "none":
+            trainer.add_callback(InjectFault(fault, rank))
+        return trainer, run
+
+    train.build_trainer = build_trainer_with_fault  # `main` looks it up at call time
+    train.main(argv)
+
+
+if __name__ == "__main__":
+    main()
