@@ -8,7 +8,8 @@ FAULT is `none` or `ACTION@STEP[:RANK]` (RANK: every rank when left out), ACTION
 - `raise`: raise a RuntimeError there (a crash in one rank).
 
 RECORD gets one json line per training micro-batch, written before its forward pass: `{"step": the optimizer step it
-belongs to, "ids": the sample ids the batch carries}`; under torchrun, each rank writes RECORD.rank{r}.
+belongs to, "ids": the sample ids the batch carries}`; under torchrun, each rank writes RECORD.rank{r}. The fault's
+wall-clock time (`time.time()`) goes to RECORD.fault just before it strikes.
 """
 
 import importlib.util
@@ -16,6 +17,7 @@ import json
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 from transformers import TrainerCallback
@@ -30,16 +32,18 @@ def load_train_script():
 
 
 class InjectFault(TrainerCallback):
-    def __init__(self, fault: str, rank: int):
+    def __init__(self, fault: str, rank: int, stamp: str):
         action, _, where = fault.partition("@")
         step, _, on_rank = where.partition(":")
         self.action, self.step = action, int(step)
         self.active = on_rank == "" or int(on_rank) == rank
-        self.rank = rank
+        self.rank, self.stamp = rank, stamp
 
     def on_step_end(self, args, state, control, **kwargs):
         if not (self.active and state.global_step == self.step):
             return
+        with open(self.stamp, "w") as f:
+            f.write(str(time.time()))
         if self.action == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         elif self.action == "stop":
@@ -50,6 +54,7 @@ class InjectFault(TrainerCallback):
 
 def main() -> None:
     record_path, fault, argv = sys.argv[1], sys.argv[2], sys.argv[3:]
+    stamp = f"{record_path}.fault"
     rank = int(os.environ.get("RANK", "0"))
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         record_path = f"{record_path}.rank{rank}"
@@ -70,7 +75,7 @@ def main() -> None:
 
         trainer.compute_loss = recording_compute_loss
         if fault != "none":
-            trainer.add_callback(InjectFault(fault, rank))
+            trainer.add_callback(InjectFault(fault, rank, stamp))
         return trainer, run
 
     train.build_trainer = build_trainer_with_fault  # `main` looks it up at call time

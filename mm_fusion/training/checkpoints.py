@@ -53,7 +53,8 @@ def checkpoint_problem(checkpoint: str | os.PathLike) -> str | None:
             raise TypeError(f"global_step is {step!r}")
     except (ValueError, KeyError, TypeError) as err:
         return f"{state} is not a complete trainer state ({type(err).__name__}: {err})"
-    if not any((path / name).is_file() for name in WEIGHT_FILES):
+    sharded = any(path.glob("pytorch_model_fsdp*")) or any(path.glob("global_step*"))  # FSDP / DeepSpeed layouts
+    if not sharded and not any((path / name).is_file() for name in WEIGHT_FILES):
         return f"{path} has no model weights ({' or '.join(WEIGHT_FILES[::2])})"
     for file in sorted(path.glob("*.safetensors")):
         try:

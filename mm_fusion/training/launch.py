@@ -133,6 +133,8 @@ def model_card_context(
         "batching": "grouped by image" if training_args.group_by_image else str(training_args.train_sampling_strategy),
         "hardware": f"{hardware()}, {training_args.world_size} process(es)",
         "train_runtime": train.get("train_runtime", 0.0),
+        "train_loss": train.get("train_loss"),
+        "resumed_from_step": getattr(trainer, "resumed_from_step", None),
         "train_samples_per_second": train.get("train_samples_per_second", 0.0),
         "repo_or_path": training_args.hub_model_id or training_args.output_dir,
         "auto_class": auto_class,

@@ -41,16 +41,18 @@ class MMFusionTrainer(Trainer):
         super().__init__(*args, **kwargs)
         self.model_card_writer = model_card_writer
         self.eval_data_collator = eval_data_collator
-        self._loss_total_before = None  # (summed step losses, steps) of the checkpoint a run resumed from
+        self.resumed_from_step = None  # the global step of the checkpoint a run resumed from
+        self._resumed_loss_sum = None  # and its summed step losses
 
     def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs):
-        self._loss_total_before = None
+        self.resumed_from_step = self._resumed_loss_sum = None
         if isinstance(resume_from_checkpoint, str):
+            with open(os.path.join(resume_from_checkpoint, "trainer_state.json")) as f:
+                self.resumed_from_step = json.load(f)["global_step"]
             path = os.path.join(resume_from_checkpoint, LOSS_TOTAL_FILE)
-            if os.path.isfile(path):
+            if os.path.isfile(path):  # absent from checkpoints of other trainers: Trainer's figure then
                 with open(path) as f:
-                    total = json.load(f)
-                self._loss_total_before = (float(total["train_loss_sum"]), int(total["global_step"]))
+                    self._resumed_loss_sum = float(json.load(f)["train_loss_sum"])
         return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
@@ -67,8 +69,8 @@ class MMFusionTrainer(Trainer):
         # Before Trainer's own files, so that `trainer_state.json` stays the last file written (the sign of a
         # finished save that `checkpoint_problem` looks for).
         if self.args.should_save:
-            before_sum, _ = self._loss_total_before or (0.0, 0)
-            total = before_sum + self._total_loss_scalar + self._tr_loss.item()
+            # Trainer drains the losses of logged steps into `_total_loss_scalar`; `_tr_loss` holds the rest.
+            total = (self._resumed_loss_sum or 0.0) + self._total_loss_scalar + self._tr_loss.item()
             folder = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
             folder = os.path.join(self._get_output_dir(trial=trial), folder)
             os.makedirs(folder, exist_ok=True)
@@ -77,11 +79,10 @@ class MMFusionTrainer(Trainer):
         super()._save_checkpoint(model, trial)
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        if "train_loss" in logs and self._loss_total_before is not None:
+        if "train_loss" in logs and self._resumed_loss_sum is not None:
             # In place: the same dict is `train()`'s returned metrics.
-            before_sum, before_steps = self._loss_total_before
-            steps = self.state.global_step - before_steps
-            logs["train_loss"] = (before_sum + logs["train_loss"] * steps) / max(self.state.global_step, 1)
+            steps = self.state.global_step - self.resumed_from_step  # this session's, which Trainer averaged over
+            logs["train_loss"] = (self._resumed_loss_sum + logs["train_loss"] * steps) / max(self.state.global_step, 1)
         super().log(logs, start_time)
 
     def _get_dataloader(self, dataset, description, batch_size, sampler_fn=None, is_training=False, **kwargs):
