@@ -84,6 +84,14 @@ class MMFusionModelTester:
         return {"pixel_values": pixel_values, "input_ids": input_ids, "attention_mask": attention_mask}
 
 
+@pytest.fixture(scope="module")
+def train_script():
+    """`scripts/train.py` as a module: its `main`, `build_trainer` and `train_and_save`, called in-process."""
+    from train_script import load_train_script
+
+    return load_train_script()
+
+
 @pytest.fixture
 def tester() -> MMFusionModelTester:
     torch.manual_seed(0)

@@ -9,20 +9,12 @@ Every rank writes OUT_DIR/rank{r}.pt with its final weights, the training losses
 ranks) and the number of evaluation predictions `compute_metrics` saw, with the metrics.
 """
 
-import importlib.util
 import os
 import sys
 from pathlib import Path
 
 import torch
-
-
-def load_train_script():
-    path = Path(__file__).resolve().parent.parent / "scripts" / "train.py"
-    spec = importlib.util.spec_from_file_location("mm_fusion_train_script", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from train_script import load_train_script
 
 
 def tiny_run_args(output_dir: str, task: str, batch_size: int) -> list[str]:

@@ -12,23 +12,14 @@ belongs to, "ids": the sample ids the batch carries}`; under torchrun, each rank
 wall-clock time (`time.time()`) goes to RECORD.fault just before it strikes.
 """
 
-import importlib.util
 import json
 import os
 import signal
 import sys
 import time
-from pathlib import Path
 
+from train_script import load_train_script
 from transformers import TrainerCallback
-
-
-def load_train_script():
-    path = Path(__file__).resolve().parent.parent / "scripts" / "train.py"
-    spec = importlib.util.spec_from_file_location("mm_fusion_train_script", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 class InjectFault(TrainerCallback):

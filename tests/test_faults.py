@@ -28,7 +28,6 @@ from mm_fusion.training import CheckpointError, resolve_resume_checkpoint
 
 pytestmark = pytest.mark.faults
 
-ROOT = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).parent / "fault_worker.py"
 ANSWERS = ["yes", "no", "red", "blue"]
 TINY = [
@@ -145,16 +144,6 @@ def test_sigkill_between_checkpoints_then_resume_equals_the_uninterrupted_run(pa
     assert final.keys() == expected_weights.keys()
     for name, value in expected_weights.items():
         torch.testing.assert_close(final[name], value, rtol=0, atol=1e-7, msg=name)
-
-
-@pytest.fixture
-def train_script():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("mm_fusion_train_script", ROOT / "scripts" / "train.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _weights(directory: Path) -> dict[str, torch.Tensor]:

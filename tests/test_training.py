@@ -1,6 +1,5 @@
 """scripts/train.py and mm_fusion.training: tiny end-to-end runs, Trainer features, errors, monitor, metrics."""
 
-import importlib.util
 import json
 import logging
 import time
@@ -27,14 +26,6 @@ TINY = [
     "--vision_layers", "1", "--text_layers", "1", "--fusion_layers", "1", "--disable_tqdm", "True",
     "--per_device_train_batch_size", "16", "--per_device_eval_batch_size", "32", "--logging_steps", "1",
 ]  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def train_script():
-    spec = importlib.util.spec_from_file_location("mm_fusion_train_script", ROOT / "scripts" / "train.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def run(train_script, tmp_path, *flags, samples=64):
