@@ -18,7 +18,6 @@ from .callbacks import MMFusionMonitorCallback, add_monitor
 from .checkpoints import (
     CheckpointError,
     checkpoint_problem,
-    last_complete_checkpoint,
     load_checkpoint_weights,
     resolve_resume_checkpoint,
 )
@@ -45,7 +44,6 @@ __all__ = [
     "check_launch",
     "checkpoint_problem",
     "encode_labels",
-    "last_complete_checkpoint",
     "load_checkpoint_weights",
     "load_metric",
     "load_raw_datasets",

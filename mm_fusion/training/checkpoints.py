@@ -8,18 +8,17 @@ would pick such a directory anyway, and resuming from it fails with a traceback 
 import json
 import logging
 import os
-import re
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from transformers import PreTrainedModel
 from transformers.trainer_pt_utils import safe_globals
+from transformers.trainer_utils import sort_checkpoints
 
 
 logger = logging.getLogger(__name__)
 
-CHECKPOINT_PATTERN = re.compile(r"^checkpoint-(\d+)$")
 WEIGHT_FILES = (
     "model.safetensors",
     "model.safetensors.index.json",
@@ -72,53 +71,26 @@ def checkpoint_problem(checkpoint: str | os.PathLike) -> str | None:
     return None
 
 
-def _checkpoints_newest_first(output_dir: str | os.PathLike) -> list[Path]:
-    """The `checkpoint-N` directories of `output_dir`, highest step first."""
-    found = []
-    for entry in Path(output_dir).iterdir():
-        match = CHECKPOINT_PATTERN.match(entry.name)
-        if match and entry.is_dir():
-            found.append((int(match.group(1)), entry))
-    return [entry for _, entry in sorted(found, reverse=True)]
-
-
-def last_complete_checkpoint(output_dir: str | os.PathLike) -> str | None:
-    """
-    The newest checkpoint of `output_dir` that [`checkpoint_problem`] finds nothing wrong with; each newer one that
-    it skips is logged with its problem. `None` when there is no complete checkpoint.
-    """
-    if not os.path.isdir(output_dir):
-        return None
-    for checkpoint in _checkpoints_newest_first(output_dir):
-        problem = checkpoint_problem(checkpoint)
-        if problem is None:
-            return str(checkpoint)
-        logger.warning("Skipping %s, which cannot be resumed from: %s.", checkpoint.name, problem)
-    return None
-
-
 def resolve_resume_checkpoint(value: str | None, output_dir: str) -> str | None:
     """
-    A `--resume_from_checkpoint` value made a checked checkpoint directory: `last` (or `true`) is the newest complete
-    checkpoint in `output_dir`, falling back past incomplete ones; a path must itself be complete. Raises
-    [`CheckpointError`] naming what is wrong.
+    A `--resume_from_checkpoint` value made a checked checkpoint directory: `last` (or `true`) is the newest checkpoint
+    in `output_dir` that [`checkpoint_problem`] finds nothing wrong with, each newer one skipped with a warning that
+    says why; a path must itself be complete. Raises [`CheckpointError`] naming what is wrong.
     """
     if value is None:
         return None
     if value in ("last", "true", "True"):
-        last = last_complete_checkpoint(output_dir)
-        if last is None:
-            existing = _checkpoints_newest_first(output_dir) if os.path.isdir(output_dir) else []
-            detail = (
-                "; the ones there are incomplete: " + "; ".join(f"{c.name}: {checkpoint_problem(c)}" for c in existing)
-                if existing
-                else ""
-            )
-            raise CheckpointError(
-                f"--resume_from_checkpoint {value}: there is no complete checkpoint-* directory in {output_dir}"
-                f"{detail}."
-            )
-        return last
+        skipped = []
+        for checkpoint in reversed(sort_checkpoints(output_dir) if os.path.isdir(output_dir) else []):
+            problem = checkpoint_problem(checkpoint)
+            if problem is None:
+                return checkpoint
+            logger.warning("Skipping %s, which cannot be resumed from: %s.", os.path.basename(checkpoint), problem)
+            skipped.append(f"{os.path.basename(checkpoint)}: {problem}")
+        detail = "; the ones there are incomplete: " + "; ".join(skipped) if skipped else ""
+        raise CheckpointError(
+            f"--resume_from_checkpoint {value}: there is no complete checkpoint-* directory in {output_dir}{detail}."
+        )
     if not os.path.isdir(value):
         raise CheckpointError(
             f"--resume_from_checkpoint {value!r} is not a Trainer checkpoint directory (such as "
