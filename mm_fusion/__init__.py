@@ -1,19 +1,32 @@
 """mm_fusion: image-text fusion models for the Hugging Face ecosystem."""
 
+import transformers
 from transformers import (
     AutoConfig,
+    AutoImageProcessor,
     AutoModel,
     AutoModelForPreTraining,
     AutoModelForVisualQuestionAnswering,
+    AutoModelForZeroShotImageClassification,
     AutoProcessor,
 )
+from transformers.pipelines import PIPELINE_REGISTRY
 
 from .configuration_mm_fusion import MMFusionConfig
+from .image_processing_mm_fusion import MMFusionImageProcessor
 from .modeling_mm_fusion import (
     MMFusionForImageTextClassification,
     MMFusionForPretraining,
     MMFusionModel,
     MMFusionPreTrainedModel,
+)
+from .pipeline_mm_fusion import (
+    PIPELINE_TASKS,
+    CachedZeroShotImageClassificationPipeline,
+    ImageTextClassificationPipeline,
+    ImageTextMatchingPipeline,
+    ImageTextRetrievalPipeline,
+    RetrievalIndex,
 )
 from .processing_mm_fusion import MMFusionProcessor
 from .tokenizer_training import train_tokenizer
@@ -27,20 +40,43 @@ AutoConfig.register(MMFusionConfig.model_type, MMFusionConfig, exist_ok=True)
 AutoModel.register(MMFusionConfig, MMFusionModel, exist_ok=True)
 AutoModelForPreTraining.register(MMFusionConfig, MMFusionForPretraining, exist_ok=True)
 AutoModelForVisualQuestionAnswering.register(MMFusionConfig, MMFusionForImageTextClassification, exist_ok=True)
+AutoModelForZeroShotImageClassification.register(MMFusionConfig, MMFusionForPretraining, exist_ok=True)
+# One image processor for both backends: it must resize exactly as the training cache did (with PIL), so a
+# torchvision variant would not give the same pixels; registered for both, transformers does not warn of a fallback.
+AutoImageProcessor.register(
+    MMFusionConfig,
+    image_processor_classes={"pil": MMFusionImageProcessor, "torchvision": MMFusionImageProcessor},
+    exist_ok=True,
+)
 AutoProcessor.register(MMFusionConfig, MMFusionProcessor, exist_ok=True)
 
 MMFusionConfig.register_for_auto_class()
 MMFusionModel.register_for_auto_class("AutoModel")
 MMFusionForPretraining.register_for_auto_class("AutoModelForPreTraining")
 MMFusionForImageTextClassification.register_for_auto_class("AutoModelForVisualQuestionAnswering")
+MMFusionImageProcessor.register_for_auto_class("AutoImageProcessor")
 MMFusionProcessor.register_for_auto_class("AutoProcessor")
 
+# Pipelines for the tasks transformers lacks, each loading its model through an Auto class (transformers#33272).
+# `save_pretrained` also writes them to `config.custom_pipelines` with their code, for `trust_remote_code` loading;
+# transformers' own `zero-shot-image-classification` pipeline serves pretraining models through the Auto class above.
+for _task, (_pipeline_class, _auto_class) in PIPELINE_TASKS.items():
+    PIPELINE_REGISTRY.register_pipeline(
+        _task, pipeline_class=_pipeline_class, pt_model=getattr(transformers, _auto_class), type="multimodal"
+    )
+
 __all__ = [
+    "CachedZeroShotImageClassificationPipeline",
+    "ImageTextClassificationPipeline",
+    "ImageTextMatchingPipeline",
+    "ImageTextRetrievalPipeline",
     "MMFusionConfig",
     "MMFusionForImageTextClassification",
     "MMFusionForPretraining",
+    "MMFusionImageProcessor",
     "MMFusionModel",
     "MMFusionPreTrainedModel",
     "MMFusionProcessor",
+    "RetrievalIndex",
     "train_tokenizer",
 ]

@@ -76,6 +76,21 @@ def _check_tower_config(config: PretrainedConfig, role: str) -> None:
         )
 
 
+def _registered_here(task: str, info: dict) -> bool:
+    """Whether this process's pipeline registry serves `task` with the class a saved `custom_pipelines` entry names."""
+    import sys
+
+    if "transformers.pipelines" not in sys.modules:
+        return False
+    from transformers.pipelines import PIPELINE_REGISTRY
+
+    registered = PIPELINE_REGISTRY.supported_tasks.get(task)
+    if registered is None or not isinstance(registered.get("impl"), type):
+        return False
+    impl = registered["impl"]
+    return f"{impl.__module__.split('.')[-1]}.{impl.__name__}" == info.get("impl")
+
+
 class MMFusionConfig(PretrainedConfig):
     r"""
     Configuration of an image-text fusion model: a vision tower, a text tower (any transformers encoder configs) and
@@ -245,6 +260,27 @@ class MMFusionConfig(PretrainedConfig):
                 f"{self.image_mean} and {self.image_std}."
             )
         super().__init__(**kwargs)
+
+    # `custom_pipelines` (written by `save_pretrained`) tells `pipeline(task, model=dir, trust_remote_code=True)` which
+    # pipeline classes in the saved code serve this model. transformers prefers such an entry over its registry even
+    # when the package is installed, and then insists on `trust_remote_code`; so a task that this process already has
+    # registered with the same class (mm_fusion imported) is left out of what `pipeline()` reads, and the installed
+    # class serves it. Everything is still saved.
+    @property
+    def custom_pipelines(self) -> dict:
+        saved = self.__dict__.get("_custom_pipelines") or {}
+        return {task: info for task, info in saved.items() if not _registered_here(task, info)}
+
+    @custom_pipelines.setter
+    def custom_pipelines(self, value: dict | None) -> None:
+        self.__dict__["_custom_pipelines"] = dict(value or {})
+
+    def to_dict(self) -> dict:
+        output = super().to_dict()
+        saved = output.pop("_custom_pipelines", None)
+        if saved:
+            output["custom_pipelines"] = saved
+        return output
 
     def _bridge_layers(self, layers: list[int] | None, tower: PretrainedConfig, role: str) -> list[int] | None:
         """Resolve and check the tower layers that feed the hierarchical bridges."""

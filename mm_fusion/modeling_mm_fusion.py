@@ -1,6 +1,7 @@
 """PyTorch MMFusion: a vision tower and a text tower fused by cross-attention bridges, co-attention or late fusion."""
 
 import copy
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -11,29 +12,81 @@ from transformers import AutoModel, PreTrainedModel
 from transformers import initialization as init
 from transformers.activations import ACT2FN
 from transformers.modeling_layers import GradientCheckpointingLayer
-from transformers.utils import ModelOutput
+from transformers.modeling_outputs import BaseModelOutputWithPooling
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.utils import ModelOutput, can_return_tuple
 
 from .configuration_mm_fusion import MMFusionConfig
+
+
+# The hidden states and attention probabilities every MMFusion output can carry: the towers' and the fusion layers'.
+# Each is `None` unless requested; see `MMFusionModelOutput` for shapes.
+TOWER_OUTPUT_FIELDS = ("text_hidden_states", "vision_hidden_states", "text_attentions", "vision_attentions")
+FUSION_OUTPUT_FIELDS = (
+    "fusion_text_hidden_states",
+    "fusion_image_hidden_states",
+    "fusion_text_self_attentions",
+    "text_to_image_attentions",
+    "fusion_image_self_attentions",
+    "image_to_text_attentions",
+)
 
 
 @dataclass
 class MMFusionModelOutput(ModelOutput):
     """
-    Output of [`MMFusionModel`]. `D` is `fusion_hidden_size` for the cross-attention fusion types and the towers'
-    widths for `"late"`.
+    Output of [`MMFusionModel`]. `B` is the number of texts (image-text pairs), `T` the text length, `P` the number of
+    image tokens of the vision tower (patches + class token for ViT), `D` is `fusion_hidden_size` for the
+    cross-attention fusion types and the towers' widths for `"late"`, `H` is `fusion_num_attention_heads`.
+
+    Hidden states are returned with `output_hidden_states=True` and attention probabilities with
+    `output_attentions=True` (or the same config flags). The attention probabilities need the eager attention
+    (`attn_implementation="eager"`): with SDPA, the default, transformers warns and the attention tuples are empty.
+    The `fusion_*`, `text_to_image_*` and `image_to_text_*` fields are `None` for `"late"` fusion, which has no fusion
+    layers, and the image-stream ones (`fusion_image_self_attentions`, `image_to_text_attentions`) are `None` with
+    `fusion_direction="text_to_image"`, whose image stream does not attend.
 
     Args:
-        text_hidden_state (`torch.FloatTensor` of shape `(batch_size, text_length, D)`):
+        text_hidden_state (`torch.FloatTensor` of shape `(B, T, D)`):
             Text tokens after fusion (after the text tower for `"late"`).
-        image_hidden_state (`torch.FloatTensor` of shape `(batch_size, num_patches, D)`):
-            Image tokens after fusion (after the vision tower for `"late"`).
-        text_pooled (`torch.FloatTensor` of shape `(batch_size, D)` or `(batch_size, projection_dim)` for `"late"`):
+        image_hidden_state (`torch.FloatTensor` of shape `(B, P, D)`):
+            Image tokens after fusion (after the vision tower for `"late"`), one set per text.
+        text_pooled (`torch.FloatTensor` of shape `(B, D)` or `(B, projection_dim)` for `"late"`):
             One vector per text, pooled over non-padding tokens.
-        image_pooled (`torch.FloatTensor` of shape `(batch_size, D)` or `(batch_size, projection_dim)` for `"late"`):
-            One vector per image.
-        pooler_output (`torch.FloatTensor` of shape `(batch_size, config.pooled_dim)`):
+        image_pooled (`torch.FloatTensor` of shape `(B, D)` or `(B, projection_dim)` for `"late"`):
+            One vector per pair's image.
+        pooler_output (`torch.FloatTensor` of shape `(B, config.pooled_dim)`):
             The joint representation the heads read: `[text_pooled, image_pooled]`, or for `"late"`
             `[image_pooled, text_pooled, image_pooled * text_pooled]`.
+        text_hidden_states (`tuple(torch.FloatTensor)`, one per text tower layer + 1):
+            The text tower's hidden states, each of shape `(B, T, text_config.hidden_size)`: the embeddings, then
+            the output of each layer.
+        vision_hidden_states (`tuple(torch.FloatTensor)`, one per vision tower layer + 1):
+            The vision tower's hidden states, each of shape `(num_images, P, vision_config.hidden_size)`: one row
+            per row of `pixel_values` (an image shared through `image_index` is encoded once).
+        fusion_text_hidden_states (`tuple(torch.FloatTensor)`, `num_fusion_layers + 1` of them):
+            The text stream of the fusion block, each of shape `(B, T, D)`: the input of the first fusion layer, then
+            the output of each fusion layer (before the final LayerNorm that gives `text_hidden_state`).
+        fusion_image_hidden_states (`tuple(torch.FloatTensor)`, `num_fusion_layers + 1` of them):
+            The image stream of the fusion block, each of shape `(B, P, D)` (one set per text), as above.
+        text_attentions (`tuple(torch.FloatTensor)`, one per text tower layer):
+            The text tower's self-attention probabilities, each of shape
+            `(B, text_config.num_attention_heads, T, T)`.
+        vision_attentions (`tuple(torch.FloatTensor)`, one per vision tower layer):
+            The vision tower's self-attention probabilities, each of shape
+            `(num_images, vision_config.num_attention_heads, P, P)`.
+        fusion_text_self_attentions (`tuple(torch.FloatTensor)`, one per fusion layer):
+            Self-attention probabilities of the fusion text stream, each of shape `(B, H, T, T)`.
+        text_to_image_attentions (`tuple(torch.FloatTensor)`, one per fusion layer):
+            Cross-attention probabilities of the text tokens (queries) over the image tokens (keys), each of shape
+            `(B, H, T, P)`: `text_to_image_attentions[layer][b, head, t]` is how text token `t` of text `b` spreads its
+            attention over the `P` image tokens of its image. One map per text, also when texts share an image through
+            `image_index`. Rows of padding tokens are present but meaningless.
+        fusion_image_self_attentions (`tuple(torch.FloatTensor)`, one per fusion layer):
+            Self-attention probabilities of the fusion image stream, each of shape `(B, H, P, P)`.
+        image_to_text_attentions (`tuple(torch.FloatTensor)`, one per fusion layer):
+            Cross-attention probabilities of the image tokens (queries) over the text tokens (keys), each of shape
+            `(B, H, P, T)`; padding tokens get probability 0.
         vision_model_output (`ModelOutput`):
             Raw output of the vision tower.
         text_model_output (`ModelOutput`):
@@ -45,8 +98,22 @@ class MMFusionModelOutput(ModelOutput):
     text_pooled: torch.FloatTensor | None = None
     image_pooled: torch.FloatTensor | None = None
     pooler_output: torch.FloatTensor | None = None
+    text_hidden_states: tuple[torch.FloatTensor, ...] | None = None
+    vision_hidden_states: tuple[torch.FloatTensor, ...] | None = None
+    fusion_text_hidden_states: tuple[torch.FloatTensor, ...] | None = None
+    fusion_image_hidden_states: tuple[torch.FloatTensor, ...] | None = None
+    text_attentions: tuple[torch.FloatTensor, ...] | None = None
+    vision_attentions: tuple[torch.FloatTensor, ...] | None = None
+    fusion_text_self_attentions: tuple[torch.FloatTensor, ...] | None = None
+    text_to_image_attentions: tuple[torch.FloatTensor, ...] | None = None
+    fusion_image_self_attentions: tuple[torch.FloatTensor, ...] | None = None
+    image_to_text_attentions: tuple[torch.FloatTensor, ...] | None = None
     vision_model_output: ModelOutput | None = None
     text_model_output: ModelOutput | None = None
+
+    def to_tuple(self) -> tuple:
+        # As in CLIP's outputs: the nested tower outputs become tuples too.
+        return tuple(v.to_tuple() if isinstance(v, ModelOutput) else v for v in super().to_tuple())
 
 
 @dataclass
@@ -61,18 +128,34 @@ class MMFusionImageTextClassifierOutput(ModelOutput):
             Classification scores before softmax / sigmoid.
         pooler_output (`torch.FloatTensor` of shape `(batch_size, config.pooled_dim)`):
             The joint representation the classifier read.
+        text_hidden_states, vision_hidden_states, fusion_text_hidden_states, fusion_image_hidden_states,
+        text_attentions, vision_attentions, fusion_text_self_attentions, text_to_image_attentions,
+        fusion_image_self_attentions, image_to_text_attentions (`tuple(torch.FloatTensor)`, *optional*):
+            Those of the underlying [`MMFusionModel`], returned with `output_hidden_states=True` /
+            `output_attentions=True`; see [`MMFusionModelOutput`] for their shapes.
     """
 
     loss: torch.FloatTensor | None = None
     logits: torch.FloatTensor | None = None
     pooler_output: torch.FloatTensor | None = None
+    text_hidden_states: tuple[torch.FloatTensor, ...] | None = None
+    vision_hidden_states: tuple[torch.FloatTensor, ...] | None = None
+    fusion_text_hidden_states: tuple[torch.FloatTensor, ...] | None = None
+    fusion_image_hidden_states: tuple[torch.FloatTensor, ...] | None = None
+    text_attentions: tuple[torch.FloatTensor, ...] | None = None
+    vision_attentions: tuple[torch.FloatTensor, ...] | None = None
+    fusion_text_self_attentions: tuple[torch.FloatTensor, ...] | None = None
+    text_to_image_attentions: tuple[torch.FloatTensor, ...] | None = None
+    fusion_image_self_attentions: tuple[torch.FloatTensor, ...] | None = None
+    image_to_text_attentions: tuple[torch.FloatTensor, ...] | None = None
 
 
 @dataclass
 class MMFusionForPretrainingOutput(ModelOutput):
     """
-    Output of [`MMFusionForPretraining`]. `G` is the global batch size (the local one summed over ranks when the
-    contrastive loss is gathered across processes).
+    Output of [`MMFusionForPretraining`]. `M` is the number of images and `N` the number of texts of the call (equal
+    when the loss is computed), `G_images` / `G_texts` the same summed over ranks when the embeddings are gathered
+    across processes (otherwise `M` / `N`).
 
     Args:
         loss (`torch.FloatTensor` of shape `()`, returned when `return_loss=True`):
@@ -82,16 +165,24 @@ class MMFusionForPretrainingOutput(ModelOutput):
         itm_loss (`torch.FloatTensor` of shape `()`):
             Image-text matching loss over the positive pairs and one hard negative per image and per text (`None`
             when `itm_loss_weight` is 0).
-        logits_per_image (`torch.FloatTensor` of shape `(batch_size, G)`):
-            Scaled cosine similarity of each local image with every text of the global batch.
-        logits_per_text (`torch.FloatTensor` of shape `(batch_size, G)`):
-            Scaled cosine similarity of each local text with every image of the global batch.
-        itm_logits (`torch.FloatTensor` of shape `(batch_size, 2)`):
-            Matching scores (index 1 = "matches") of the given image-text pairs.
-        image_embeds (`torch.FloatTensor` of shape `(batch_size, projection_dim)`):
+        logits_per_image (`torch.FloatTensor` of shape `(M, G_texts)`):
+            Scaled cosine similarity of each local image with every text (of the global batch).
+        logits_per_text (`torch.FloatTensor` of shape `(N, G_images)`):
+            Scaled cosine similarity of each local text with every image (of the global batch).
+        itm_logits (`torch.FloatTensor` of shape `(N, 2)`):
+            Matching scores (index 1 = "matches") of the given image-text pairs. `None` when the numbers of images
+            and texts differ (CLIP-style scoring of N texts against M images, e.g. zero-shot classification): matching
+            needs paired inputs.
+        image_embeds (`torch.FloatTensor` of shape `(M, projection_dim)`):
             L2-normalised image embeddings.
-        text_embeds (`torch.FloatTensor` of shape `(batch_size, projection_dim)`):
+        text_embeds (`torch.FloatTensor` of shape `(N, projection_dim)`):
             L2-normalised text embeddings.
+        text_hidden_states, vision_hidden_states, fusion_text_hidden_states, fusion_image_hidden_states,
+        text_attentions, vision_attentions, fusion_text_self_attentions, text_to_image_attentions,
+        fusion_image_self_attentions, image_to_text_attentions (`tuple(torch.FloatTensor)`, *optional*):
+            As in [`MMFusionModelOutput`], returned with `output_hidden_states=True` / `output_attentions=True`. The
+            fusion ones are those of the given (positive) pairs that `itm_logits` scores, and `None` when there are
+            no such pairs.
     """
 
     loss: torch.FloatTensor | None = None
@@ -102,6 +193,44 @@ class MMFusionForPretrainingOutput(ModelOutput):
     itm_logits: torch.FloatTensor | None = None
     image_embeds: torch.FloatTensor | None = None
     text_embeds: torch.FloatTensor | None = None
+    text_hidden_states: tuple[torch.FloatTensor, ...] | None = None
+    vision_hidden_states: tuple[torch.FloatTensor, ...] | None = None
+    fusion_text_hidden_states: tuple[torch.FloatTensor, ...] | None = None
+    fusion_image_hidden_states: tuple[torch.FloatTensor, ...] | None = None
+    text_attentions: tuple[torch.FloatTensor, ...] | None = None
+    vision_attentions: tuple[torch.FloatTensor, ...] | None = None
+    fusion_text_self_attentions: tuple[torch.FloatTensor, ...] | None = None
+    text_to_image_attentions: tuple[torch.FloatTensor, ...] | None = None
+    fusion_image_self_attentions: tuple[torch.FloatTensor, ...] | None = None
+    image_to_text_attentions: tuple[torch.FloatTensor, ...] | None = None
+
+
+@dataclass
+class MMFusionEncoderOutput(ModelOutput):
+    """
+    Output of the co-attention stack ([`MMFusionEncoder`]); the image fields hold one entry per image when texts
+    share images (`fusion_direction="text_to_image"` with `image_index`), one per text otherwise.
+
+    Args:
+        text_hidden_state (`torch.FloatTensor` of shape `(B, T, D)`):
+            The text stream after the last layer and the final LayerNorm.
+        image_hidden_state (`torch.FloatTensor` of shape `(B or num_images, P, D)`):
+            The image stream after the last layer and the final LayerNorm.
+        text_hidden_states, image_hidden_states (`tuple(torch.FloatTensor)`, *optional*):
+            Each stream entering the first layer, then after each layer.
+        text_self_attentions, text_to_image_attentions, image_self_attentions, image_to_text_attentions
+        (`tuple(torch.FloatTensor)`, *optional*):
+            The attention probabilities of each layer; see [`MMFusionModelOutput`].
+    """
+
+    text_hidden_state: torch.FloatTensor | None = None
+    image_hidden_state: torch.FloatTensor | None = None
+    text_hidden_states: tuple[torch.FloatTensor, ...] | None = None
+    image_hidden_states: tuple[torch.FloatTensor, ...] | None = None
+    text_self_attentions: tuple[torch.FloatTensor, ...] | None = None
+    text_to_image_attentions: tuple[torch.FloatTensor, ...] | None = None
+    image_self_attentions: tuple[torch.FloatTensor, ...] | None = None
+    image_to_text_attentions: tuple[torch.FloatTensor, ...] | None = None
 
 
 def normalize_uint8_pixels(
@@ -119,11 +248,21 @@ def _check_inputs(
     pixel_values: torch.Tensor | None,
     input_ids: torch.Tensor | None,
     image_index: torch.Tensor | None = None,
+    paired: bool = True,
 ) -> None:
-    """Clear errors for missing or empty inputs, texts too long for the text tower, and batches that do not line up."""
+    """
+    Clear errors for missing or empty inputs, texts too long for the text tower, and batches that do not line up
+    (with `paired=False`, any numbers of images and texts are accepted, as for CLIP-style scoring).
+    """
     if pixel_values is None or input_ids is None:
         missing = [name for name, x in (("pixel_values", pixel_values), ("input_ids", input_ids)) if x is None]
         raise ValueError(f"MMFusion models need both `pixel_values` and `input_ids`; missing: {', '.join(missing)}.")
+    if input_ids.is_floating_point() or input_ids.dim() != 2:
+        raise ValueError(
+            f"`input_ids` must be integer token ids of shape (batch_size, text_length); got a {input_ids.dim()}-d "
+            f"{input_ids.dtype} tensor. The forward's first two arguments are (input_ids, pixel_values): pass them by "
+            "keyword."
+        )
     num_images, num_texts = pixel_values.shape[0], input_ids.shape[0]
     if num_images == 0 or num_texts == 0:
         raise ValueError(
@@ -137,7 +276,7 @@ def _check_inputs(
             f"{max_positions}. Truncate the texts (the processor's / tokenizer's `max_length`, or --max_length)."
         )
     if image_index is None:
-        if num_images != num_texts:
+        if paired and num_images != num_texts:
             raise ValueError(
                 f"Batch sizes differ: pixel_values has {num_images} images but input_ids has {num_texts} texts; "
                 "each text needs exactly one image (or pass `image_index` to share images between texts)."
@@ -172,15 +311,46 @@ def pool(hidden: torch.Tensor, mask: torch.Tensor | None, mode: str) -> torch.Te
     return (hidden * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1.0)
 
 
+def eager_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """
+    Attention written out, returning its probabilities: the `"eager"` implementation. `attention_mask` is boolean,
+    True = attend, broadcastable to `(B, H, T, S)`. Returns the output `(B, T, H, Dh)` and the probabilities
+    `(B, H, T, S)`.
+    """
+    attn_weights = torch.matmul(query, key.transpose(2, 3)) * scaling  # (B, H, T, S)
+    if attention_mask is not None:
+        attn_weights = attn_weights.masked_fill(~attention_mask, torch.finfo(attn_weights.dtype).min)
+    attn_weights = F.softmax(attn_weights, dim=-1, dtype=torch.float32).to(query.dtype)
+    attn_weights = F.dropout(attn_weights, p=dropout, training=module.training)
+    attn_output = torch.matmul(attn_weights, value).transpose(1, 2).contiguous()  # (B, T, H, Dh)
+    return attn_output, attn_weights
+
+
 class MMFusionAttention(nn.Module):
-    """Multi-head attention through `scaled_dot_product_attention`; keys may come from another modality."""
+    """
+    Multi-head attention; keys may come from another modality. The implementation follows
+    `config._attn_implementation` (transformers' `attn_implementation`): `"sdpa"` (the default,
+    `scaled_dot_product_attention`) or `"eager"`, which also returns the attention probabilities.
+    """
 
     def __init__(self, config: MMFusionConfig):
         super().__init__()
+        self.config = config
         self.num_heads = config.fusion_num_attention_heads
         hidden_size = config.fusion_hidden_size
         self.head_dim = hidden_size // self.num_heads
+        self.scaling = self.head_dim**-0.5
         self.dropout = config.fusion_attention_dropout
+        self.is_causal = False
         self.q_proj = nn.Linear(hidden_size, hidden_size)
         self.k_proj = nn.Linear(hidden_size, hidden_size)
         self.v_proj = nn.Linear(hidden_size, hidden_size)
@@ -192,9 +362,13 @@ class MMFusionAttention(nn.Module):
         context: torch.Tensor,
         context_mask: torch.Tensor | None = None,
         context_index: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """`context_index` (shape `(B,)`) picks each query's row of `context`: keys / values are projected once per
-        distinct context (e.g. once per image) and shared by every query that reads it."""
+        output_attentions: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """
+        `context_index` (shape `(B,)`) picks each query's row of `context`: keys / values are projected once per
+        distinct context (e.g. once per image) and shared by every query that reads it. Returns the output and the
+        attention probabilities `(B, H, T, S)` (`None` unless computed by the eager implementation).
+        """
         B, T, D = hidden_states.shape  # batch size, query length, hidden size
         N, S = context.shape[:2]  # number of contexts (B, or fewer when shared), key length
         q = self.q_proj(hidden_states).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)  # (B, H, T, Dh)
@@ -204,10 +378,20 @@ class MMFusionAttention(nn.Module):
             k, v = k[context_index], v[context_index]  # (B, H, S, Dh)
         # Padding keys are masked out; True = attend. (B, 1, 1, S) broadcasts over heads and queries.
         attn_mask = context_mask[:, None, None, :].bool() if context_mask is not None else None
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=attn_mask, dropout_p=self.dropout if self.training else 0.0
+        attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, eager_attention_forward
         )
-        return self.out_proj(out.transpose(1, 2).reshape(B, T, D))
+        out, attn_weights = attention_interface(
+            self,
+            q,
+            k,
+            v,
+            attn_mask,
+            dropout=self.dropout if self.training else 0.0,
+            scaling=self.scaling,
+            output_attentions=output_attentions,  # SDPA warns that it cannot return the probabilities
+        )
+        return self.out_proj(out.reshape(B, T, D)), attn_weights
 
 
 class MMFusionStreamBlock(nn.Module):
@@ -236,13 +420,20 @@ class MMFusionStreamBlock(nn.Module):
         self_mask: torch.Tensor | None,
         context_mask: torch.Tensor | None,
         context_index: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+        output_attentions: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """Returns the new states and the self- and cross-attention probabilities (`None` unless eager)."""
         x = self.self_attn_norm(hidden_states)
-        hidden_states = hidden_states + self.dropout(self.self_attn(x, x, self_mask))
+        attn_out, self_weights = self.self_attn(x, x, self_mask, output_attentions=output_attentions)
+        hidden_states = hidden_states + self.dropout(attn_out)
         x = self.cross_attn_norm(hidden_states)
         context = self.context_norm(context)
-        hidden_states = hidden_states + self.dropout(self.cross_attn(x, context, context_mask, context_index))
-        return hidden_states + self.dropout(self.mlp(self.mlp_norm(hidden_states)))
+        attn_out, cross_weights = self.cross_attn(
+            x, context, context_mask, context_index, output_attentions=output_attentions
+        )
+        hidden_states = hidden_states + self.dropout(attn_out)
+        hidden_states = hidden_states + self.dropout(self.mlp(self.mlp_norm(hidden_states)))
+        return hidden_states, self_weights, cross_weights
 
 
 class MMFusionCoAttentionLayer(GradientCheckpointingLayer):
@@ -263,12 +454,21 @@ class MMFusionCoAttentionLayer(GradientCheckpointingLayer):
         image_states: torch.Tensor,
         text_mask: torch.Tensor | None,
         image_index: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        text_out = self.text_block(text_states, image_states, text_mask, None, context_index=image_index)
+        output_attentions: bool = False,
+    ) -> tuple[torch.Tensor, ...]:
+        """
+        Returns the new text and image states, then the attention probabilities (`None` unless eager, and the image
+        stream's always `None` with `"text_to_image"`): text self, text-to-image, image self, image-to-text.
+        """
+        text_out, text_self, text_to_image = self.text_block(
+            text_states, image_states, text_mask, None, context_index=image_index, output_attentions=output_attentions
+        )
         if self.image_block is None:
-            return text_out, image_states
-        image_out = self.image_block(image_states, text_states, self_mask=None, context_mask=text_mask)
-        return text_out, image_out
+            return text_out, image_states, text_self, text_to_image, None, None
+        image_out, image_self, image_to_text = self.image_block(
+            image_states, text_states, self_mask=None, context_mask=text_mask, output_attentions=output_attentions
+        )
+        return text_out, image_out, text_self, text_to_image, image_self, image_to_text
 
 
 class MMFusionEncoder(nn.Module):
@@ -301,17 +501,43 @@ class MMFusionEncoder(nn.Module):
         image_features: list[torch.Tensor],
         text_mask: torch.Tensor | None,
         image_index: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        output_attentions: bool = False,
+        output_hidden_states: bool = False,
+    ) -> MMFusionEncoderOutput:
         """`image_index` (text_to_image only): each text's row of the image features, which stay one per image."""
         modality = self.modality_embeddings.weight
         text = self.text_bridge_norms[0](self.text_bridges[0](text_features[0]) + modality[0])
         image = self.image_bridge_norms[0](self.image_bridges[0](image_features[0]) + modality[1])
+        text_states, image_states = [text], [image]
+        # Per layer: text self, text-to-image, image self, image-to-text probabilities (SDPA returns None).
+        attentions = ([], [], [], [])
         for k, layer in enumerate(self.layers):
             if 0 < k < len(self.text_bridges):
                 text = self.text_bridge_norms[k](text + self.text_bridges[k](text_features[k]))
                 image = self.image_bridge_norms[k](image + self.image_bridges[k](image_features[k]))
-            text, image = layer(text, image, text_mask, image_index)
-        return self.text_norm(text), self.image_norm(image)
+            text, image, *weights = layer(text, image, text_mask, image_index, output_attentions=output_attentions)
+            if output_hidden_states:
+                text_states.append(text)
+                image_states.append(image)
+            if output_attentions:
+                for collected, w in zip(attentions, weights):
+                    if w is not None:
+                        collected.append(w)
+        # The image stream of one-way fusion has no attention at all (None), rather than none returned (empty).
+        one_way = self.layers[0].image_block is None
+        text_self, text_to_image, image_self, image_to_text = (
+            tuple(a) if output_attentions and not (one_way and i >= 2) else None for i, a in enumerate(attentions)
+        )
+        return MMFusionEncoderOutput(
+            text_hidden_state=self.text_norm(text),
+            image_hidden_state=self.image_norm(image),
+            text_hidden_states=tuple(text_states) if output_hidden_states else None,
+            image_hidden_states=tuple(image_states) if output_hidden_states else None,
+            text_self_attentions=text_self,
+            text_to_image_attentions=text_to_image,
+            image_self_attentions=image_self,
+            image_to_text_attentions=image_to_text,
+        )
 
 
 class MMFusionMLPHead(nn.Module):
@@ -343,15 +569,38 @@ class MMFusionPreTrainedModel(PreTrainedModel):
 
     config_class = MMFusionConfig
     base_model_prefix = "mm_fusion"
+    # The forwards take `input_ids` first, as CLIP's do: texts set the batch (several may share one image).
     main_input_name = "input_ids"
     input_modalities = ("image", "text")
     supports_gradient_checkpointing = True
+    # The fusion attention dispatches through transformers' attention interface: "sdpa" (default) or "eager".
     _supports_sdpa = True
     _no_split_modules = ["MMFusionCoAttentionLayer"]
     # The heads' losses are means over their own batch and take no `num_items_in_batch`. Trainer would otherwise take
     # them as sums (as it does for a `forward` with `**kwargs`), skip the division by gradient-accumulation steps and
     # multiply by the number of processes: gradients `gradient_accumulation_steps` or `world_size` times too large.
     accepts_loss_kwargs = False
+
+    def get_input_embeddings(self) -> nn.Module:
+        """The text tower's token embeddings, so that `resize_token_embeddings` works after adding tokens."""
+        return self.base_model.text_model.get_input_embeddings()
+
+    def set_input_embeddings(self, value: nn.Module) -> None:
+        self.base_model.text_model.set_input_embeddings(value)
+
+    def _output_flags(self, output_attentions: bool | None, output_hidden_states: bool | None) -> tuple[bool, bool]:
+        """The requested `output_attentions` / `output_hidden_states`, defaulting to the config's."""
+        if output_attentions is None:
+            output_attentions = self.config.output_attentions
+        if output_hidden_states is None:
+            output_hidden_states = self.config.output_hidden_states
+        for name, value in (("output_attentions", output_attentions), ("output_hidden_states", output_hidden_states)):
+            if not isinstance(value, bool):
+                raise TypeError(
+                    f"`{name}` must be True or False for MMFusion models, got {value!r}: their hidden states come "
+                    "from two towers and the fusion streams, so there is no single layer numbering to select from."
+                )
+        return output_attentions, output_hidden_states
 
     def floating_point_ops(self, input_dict: dict, exclude_embeddings: bool = True) -> int:
         """
@@ -454,8 +703,16 @@ class MMFusionPreTrainedModel(PreTrainedModel):
         for cls in (MMFusionModel, MMFusionForPretraining, MMFusionForImageTextClassification):
             if cls._auto_class is not None:
                 auto_map.setdefault(cls._auto_class, f"{cls.__module__.split('.')[-1]}.{cls.__name__}")
+        if MMFusionForPretraining._auto_class is not None:  # transformers' zero-shot pipeline loads through this one
+            auto_map.setdefault("AutoModelForZeroShotImageClassification", auto_map["AutoModelForPreTraining"])
         if auto_map:
             self.config.auto_map = auto_map
+        # The pipelines that serve this head are saved with it (`config.custom_pipelines` and their code, which the
+        # relative import below makes `save_pretrained` copy), so `pipeline(task, model=dir, trust_remote_code=True)`
+        # works where mm_fusion is not installed.
+        from .pipeline_mm_fusion import custom_pipelines_for
+
+        self.config.custom_pipelines = custom_pipelines_for(type(self).__name__)
         return super().save_pretrained(save_directory, *args, **kwargs)
 
 
@@ -507,17 +764,23 @@ class MMFusionModel(MMFusionPreTrainedModel):
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         token_type_ids: torch.Tensor | None = None,
+        output_attentions: bool = False,
+        output_hidden_states: bool = False,
     ) -> tuple[ModelOutput, ModelOutput, list[torch.Tensor], list[torch.Tensor]]:
         """Run both towers once; returns their outputs and the feature lists the fusion block reads."""
         hierarchical = self.config.fusion_type == "hierarchical"
         vision_out = self.vision_model(
-            pixel_values=self.normalize_pixels(pixel_values), output_hidden_states=hierarchical, return_dict=True
+            pixel_values=self.normalize_pixels(pixel_values),
+            output_attentions=output_attentions,
+            output_hidden_states=hierarchical or output_hidden_states,
+            return_dict=True,
         )
         text_kwargs = {"token_type_ids": token_type_ids} if token_type_ids is not None else {}
         text_out = self.text_model(
             input_ids=input_ids,
             attention_mask=attention_mask,
-            output_hidden_states=hierarchical,
+            output_attentions=output_attentions,
+            output_hidden_states=hierarchical or output_hidden_states,
             return_dict=True,
             **text_kwargs,
         )
@@ -563,11 +826,14 @@ class MMFusionModel(MMFusionPreTrainedModel):
         attention_mask: torch.Tensor | None,
         image_index: torch.Tensor | None = None,
         text_index: torch.Tensor | None = None,
+        output_attentions: bool = False,
+        output_hidden_states: bool = False,
     ) -> MMFusionModelOutput:
         """
         Fuse tower features. `image_index` / `text_index` (shape `(N,)`) pick which image and which text form each of
         the N fused pairs, so one image's tower features serve every question about it and hard negatives reuse
-        the towers' work.
+        the towers' work. Fills the fused states and pooled vectors, and the `fusion_*` / cross-attention fields when
+        requested (always one entry per pair).
         """
         # One-way fusion keeps one set of image features per image (shared keys / values); otherwise each pair
         # needs its own copy, since its image stream is updated by its text.
@@ -583,39 +849,65 @@ class MMFusionModel(MMFusionPreTrainedModel):
             text_pooled = self.text_projection(pool(text_hidden, attention_mask, mode))
             image_pooled = self.visual_projection(pool(image_hidden, None, mode))
             pooler_output = torch.cat([image_pooled, text_pooled, image_pooled * text_pooled], dim=-1)
-        else:
-            index = image_index if shared else None
-            text_hidden, image_hidden = self.encoder(text_features, image_features, attention_mask, index)
-            text_pooled = pool(text_hidden, attention_mask, mode)
-            image_pooled = pool(image_hidden, None, mode)
-            if index is not None:
-                image_hidden, image_pooled = image_hidden[index], image_pooled[index]
-            pooler_output = torch.cat([text_pooled, image_pooled], dim=-1)
+            return MMFusionModelOutput(
+                text_hidden_state=text_hidden,
+                image_hidden_state=image_hidden,
+                text_pooled=text_pooled,
+                image_pooled=image_pooled,
+                pooler_output=pooler_output,
+            )
+        index = image_index if shared else None
+        fused = self.encoder(
+            text_features,
+            image_features,
+            attention_mask,
+            index,
+            output_attentions=output_attentions,
+            output_hidden_states=output_hidden_states,
+        )
+        text_hidden, image_hidden = fused.text_hidden_state, fused.image_hidden_state
+        image_states = fused.image_hidden_states
+        text_pooled = pool(text_hidden, attention_mask, mode)
+        image_pooled = pool(image_hidden, None, mode)
+        if index is not None:
+            # Shared image states (one per image) become one per pair, as in the bidirectional case.
+            image_hidden, image_pooled = image_hidden[index], image_pooled[index]
+            image_states = tuple(h[index] for h in image_states) if image_states is not None else None
         return MMFusionModelOutput(
             text_hidden_state=text_hidden,
             image_hidden_state=image_hidden,
             text_pooled=text_pooled,
             image_pooled=image_pooled,
-            pooler_output=pooler_output,
+            pooler_output=torch.cat([text_pooled, image_pooled], dim=-1),
+            fusion_text_hidden_states=fused.text_hidden_states,
+            fusion_image_hidden_states=image_states,
+            fusion_text_self_attentions=fused.text_self_attentions,
+            text_to_image_attentions=fused.text_to_image_attentions,
+            fusion_image_self_attentions=fused.image_self_attentions,
+            image_to_text_attentions=fused.image_to_text_attentions,
         )
 
+    @can_return_tuple
     def forward(
         self,
-        pixel_values: torch.Tensor | None = None,
         input_ids: torch.Tensor | None = None,
+        pixel_values: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
         token_type_ids: torch.Tensor | None = None,
         image_index: torch.Tensor | None = None,
+        output_attentions: bool | None = None,
+        output_hidden_states: bool | None = None,
+        return_dict: bool | None = None,
         image_rows: torch.Tensor | None = None,
         sample_ids: list[str] | None = None,
-    ) -> MMFusionModelOutput:
+    ) -> MMFusionModelOutput | tuple:
         r"""
         Args:
+            input_ids (`torch.LongTensor` of shape `(batch_size, text_length)`):
+                Token ids.
             pixel_values (`torch.FloatTensor` or `torch.ByteTensor` of shape `(num_images, channels, height, width)`):
                 Normalised float images, or integer (uint8 best) images in [0, 255] that the model normalises with the
                 config's `image_mean` / `image_std`.
-            input_ids (`torch.LongTensor` of shape `(batch_size, text_length)`):
-                Token ids.
             attention_mask (`torch.LongTensor` of shape `(batch_size, text_length)`, *optional*):
                 1 for real tokens, 0 for padding; padding is masked in the text tower and in every cross-attention.
             token_type_ids (`torch.LongTensor` of shape `(batch_size, text_length)`, *optional*):
@@ -623,38 +915,135 @@ class MMFusionModel(MMFusionPreTrainedModel):
             image_index (`torch.LongTensor` of shape `(batch_size,)`, *optional*):
                 For each text, the row of `pixel_values` it is paired with. Lets several questions share one image,
                 which the vision tower then encodes once. Without it, `num_images` must equal `batch_size`.
+            output_attentions (`bool`, *optional*):
+                Return the attention probabilities of the towers and the fusion layers (see [`MMFusionModelOutput`]);
+                they need `attn_implementation="eager"`. Defaults to `config.output_attentions`.
+            output_hidden_states (`bool`, *optional*):
+                Return the hidden states of the towers and of the fusion streams. Defaults to
+                `config.output_hidden_states`.
+            return_dict (`bool`, *optional*):
+                `False` returns a tuple of the output's non-`None` fields, in order. Defaults to `config.return_dict`
+                (handled by `can_return_tuple`).
             image_rows (`torch.LongTensor` of shape `(batch_size,)`, *optional*), sample_ids (`list[str]`, *optional*):
                 Bookkeeping that [`ImageTextCollator`] adds to every batch (each pair's row of the images table, and
                 its id); accepted so that a batch can be passed as it is, and not used. Any other keyword argument is
                 an error, so a misspelt `labels` or `return_loss` cannot pass unnoticed.
         """
         _check_inputs(self.config, pixel_values, input_ids, image_index)
+        output_attentions, output_hidden_states = self._output_flags(output_attentions, output_hidden_states)
         vision_out, text_out, image_features, text_features = self.encode_towers(
-            pixel_values, input_ids, attention_mask, token_type_ids
+            pixel_values, input_ids, attention_mask, token_type_ids, output_attentions, output_hidden_states
         )
-        output = self.fuse(image_features, text_features, attention_mask, image_index=image_index)
-        output.vision_model_output = vision_out
-        output.text_model_output = text_out
-        return output
+        output = self.fuse(
+            image_features,
+            text_features,
+            attention_mask,
+            image_index=image_index,
+            output_attentions=output_attentions,
+            output_hidden_states=output_hidden_states,
+        )
+        # A new output rather than attributes set on this one, so that its keys keep the order of its fields.
+        return dataclasses.replace(
+            output,
+            **self.tower_fields(vision_out, text_out, output_attentions, output_hidden_states),
+            vision_model_output=vision_out,
+            text_model_output=text_out,
+        )
 
-    def get_image_features(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        """Image embeddings of shape `(num_images, projection_dim)` (pooled tower output, projected if built)."""
+    @staticmethod
+    def tower_fields(
+        vision_out: ModelOutput, text_out: ModelOutput, output_attentions: bool, output_hidden_states: bool
+    ) -> dict[str, tuple[torch.Tensor, ...] | None]:
+        """The towers' hidden states and attentions, as the output fields of every head name them."""
+        return {
+            "text_hidden_states": text_out.hidden_states if output_hidden_states else None,
+            "vision_hidden_states": vision_out.hidden_states if output_hidden_states else None,
+            "text_attentions": text_out.attentions if output_attentions else None,
+            "vision_attentions": vision_out.attentions if output_attentions else None,
+        }
+
+    @can_return_tuple
+    def get_image_features(
+        self,
+        pixel_values: torch.Tensor,
+        output_attentions: bool | None = None,
+        output_hidden_states: bool | None = None,
+        return_dict: bool | None = None,
+    ) -> BaseModelOutputWithPooling | tuple:
+        r"""
+        The image embeddings, as CLIP's `get_image_features` gives them in transformers 5.
+
+        Args:
+            pixel_values (`torch.FloatTensor` or `torch.ByteTensor` of shape `(num_images, channels, height, width)`):
+                As in [`MMFusionModel.forward`].
+            output_attentions, output_hidden_states, return_dict (`bool`, *optional*):
+                As in [`MMFusionModel.forward`], for the vision tower.
+
+        Returns:
+            [`~modeling_outputs.BaseModelOutputWithPooling`]: `pooler_output` of shape `(num_images, projection_dim)`
+            is the embedding (the tower's pooled output, projected when the projections are built; the unprojected
+            `(num_images, vision_config.hidden_size)` otherwise), with the vision tower's `last_hidden_state`,
+            `hidden_states` and `attentions`.
+        """
         if pixel_values is None:
             raise ValueError("get_image_features needs `pixel_values`.")
-        return self.embed_image(self.vision_model(pixel_values=self.normalize_pixels(pixel_values), return_dict=True))
+        output_attentions, output_hidden_states = self._output_flags(output_attentions, output_hidden_states)
+        vision_out = self.vision_model(
+            pixel_values=self.normalize_pixels(pixel_values),
+            output_attentions=output_attentions,
+            output_hidden_states=output_hidden_states,
+            return_dict=True,
+        )
+        return BaseModelOutputWithPooling(
+            last_hidden_state=vision_out.last_hidden_state,
+            pooler_output=self.embed_image(vision_out),
+            hidden_states=vision_out.hidden_states if output_hidden_states else None,
+            attentions=vision_out.attentions if output_attentions else None,
+        )
 
+    @can_return_tuple
     def get_text_features(
         self,
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         token_type_ids: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Text embeddings of shape `(batch_size, projection_dim)` (pooled tower output, projected if built)."""
+        output_attentions: bool | None = None,
+        output_hidden_states: bool | None = None,
+        return_dict: bool | None = None,
+    ) -> BaseModelOutputWithPooling | tuple:
+        r"""
+        The text embeddings, as CLIP's `get_text_features` gives them in transformers 5.
+
+        Args:
+            input_ids, attention_mask, token_type_ids (`torch.LongTensor` of shape `(batch_size, text_length)`):
+                As in [`MMFusionModel.forward`].
+            output_attentions, output_hidden_states, return_dict (`bool`, *optional*):
+                As in [`MMFusionModel.forward`], for the text tower.
+
+        Returns:
+            [`~modeling_outputs.BaseModelOutputWithPooling`]: `pooler_output` of shape `(batch_size, projection_dim)`
+            is the embedding (the tower's output pooled over real tokens, projected when the projections are built;
+            the unprojected `(batch_size, text_config.hidden_size)` otherwise), with the text tower's
+            `last_hidden_state`, `hidden_states` and `attentions`.
+        """
         if input_ids is None:
             raise ValueError("get_text_features needs `input_ids`.")
+        output_attentions, output_hidden_states = self._output_flags(output_attentions, output_hidden_states)
         text_kwargs = {"token_type_ids": token_type_ids} if token_type_ids is not None else {}
-        text_out = self.text_model(input_ids=input_ids, attention_mask=attention_mask, return_dict=True, **text_kwargs)
-        return self.embed_text(text_out, attention_mask)
+        text_out = self.text_model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            output_attentions=output_attentions,
+            output_hidden_states=output_hidden_states,
+            return_dict=True,
+            **text_kwargs,
+        )
+        return BaseModelOutputWithPooling(
+            last_hidden_state=text_out.last_hidden_state,
+            pooler_output=self.embed_text(text_out, attention_mask),
+            hidden_states=text_out.hidden_states if output_hidden_states else None,
+            attentions=text_out.attentions if output_attentions else None,
+        )
 
     def embed_image(self, vision_out: ModelOutput) -> torch.Tensor:
         """Pool a vision tower output and project it (when the projections are built)."""
@@ -697,17 +1086,21 @@ class MMFusionForImageTextClassification(MMFusionPreTrainedModel):
         self.classifier = MMFusionMLPHead(config, self.mm_fusion.pooled_dim, config.num_labels)
         self.post_init()
 
+    @can_return_tuple
     def forward(
         self,
-        pixel_values: torch.Tensor | None = None,
         input_ids: torch.Tensor | None = None,
+        pixel_values: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
         token_type_ids: torch.Tensor | None = None,
         image_index: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
+        output_attentions: bool | None = None,
+        output_hidden_states: bool | None = None,
+        return_dict: bool | None = None,
         image_rows: torch.Tensor | None = None,
         sample_ids: list[str] | None = None,
-    ) -> MMFusionImageTextClassifierOutput:
+    ) -> MMFusionImageTextClassifierOutput | tuple:
         r"""
         Args:
             labels (`torch.LongTensor` of shape `(batch_size,)` or `(batch_size, num_labels)` float, *optional*):
@@ -718,11 +1111,14 @@ class MMFusionForImageTextClassification(MMFusionPreTrainedModel):
         if labels is not None:
             self._check_labels(labels, input_ids)
         outputs = self.mm_fusion(
-            pixel_values=pixel_values,
             input_ids=input_ids,
+            pixel_values=pixel_values,
             attention_mask=attention_mask,
             token_type_ids=token_type_ids,
             image_index=image_index,
+            output_attentions=output_attentions,
+            output_hidden_states=output_hidden_states,
+            return_dict=True,
         )
         logits = self.classifier(outputs.pooler_output)
         loss = None
@@ -732,7 +1128,12 @@ class MMFusionForImageTextClassification(MMFusionPreTrainedModel):
                 loss = F.binary_cross_entropy_with_logits(logits, labels.to(logits.dtype)) * labels.shape[1]
             else:
                 loss = F.cross_entropy(logits, labels)
-        return MMFusionImageTextClassifierOutput(loss=loss, logits=logits, pooler_output=outputs.pooler_output)
+        return MMFusionImageTextClassifierOutput(
+            loss=loss,
+            logits=logits,
+            pooler_output=outputs.pooler_output,
+            **{name: getattr(outputs, name) for name in TOWER_OUTPUT_FIELDS + FUSION_OUTPUT_FIELDS},
+        )
 
     def _check_labels(self, labels: torch.Tensor, input_ids: torch.Tensor | None) -> None:
         """Clear errors for labels that do not fit the head."""
@@ -800,28 +1201,47 @@ class MMFusionForPretraining(MMFusionPreTrainedModel):
         self.itm_head = MMFusionMLPHead(config, self.mm_fusion.pooled_dim, 2)
         self.post_init()
 
+    @can_return_tuple
     def forward(
         self,
-        pixel_values: torch.Tensor | None = None,
         input_ids: torch.Tensor | None = None,
+        pixel_values: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
         token_type_ids: torch.Tensor | None = None,
         return_loss: bool | None = None,
+        output_attentions: bool | None = None,
+        output_hidden_states: bool | None = None,
+        return_dict: bool | None = None,
         image_rows: torch.Tensor | None = None,
         sample_ids: list[str] | None = None,
-    ) -> MMFusionForPretrainingOutput:
+    ) -> MMFusionForPretrainingOutput | tuple:
         r"""
         Args:
+            input_ids (`torch.LongTensor` of shape `(N, text_length)`):
+                Token ids of N texts.
+            pixel_values (`torch.FloatTensor` or `torch.ByteTensor` of shape `(M, channels, height, width)`):
+                M images. With the loss, text i and image i form a pair and M must equal N. Without it, M and N may
+                differ, as in CLIP: every text is scored against every image (`logits_per_image` of shape `(M, N)`,
+                e.g. one image against N label prompts for zero-shot classification) and `itm_logits` is `None`,
+                since matching needs pairs.
             return_loss (`bool`, *optional*):
                 Compute the ITC + ITM loss. Defaults to `True` in training mode.
 
             See [`MMFusionModel.forward`] for the other arguments.
         """
-        _check_inputs(self.config, pixel_values, input_ids)
         return_loss = self.training if return_loss is None else return_loss
+        _check_inputs(self.config, pixel_values, input_ids, paired=False)
+        M, N = pixel_values.shape[0], input_ids.shape[0]  # images, texts
+        if return_loss and M != N:
+            raise ValueError(
+                f"return_loss needs one image per text (text i pairs with image i), but pixel_values has {M} images "
+                f"and input_ids {N} texts. Without the loss, N texts can be scored against M images "
+                "(logits_per_image of shape (M, N))."
+            )
+        output_attentions, output_hidden_states = self._output_flags(output_attentions, output_hidden_states)
         base = self.mm_fusion
         vision_out, text_out, image_features, text_features = base.encode_towers(
-            pixel_values, input_ids, attention_mask, token_type_ids
+            pixel_values, input_ids, attention_mask, token_type_ids, output_attentions, output_hidden_states
         )
         image_embeds = F.normalize(base.embed_image(vision_out), dim=-1)
         text_embeds = F.normalize(base.embed_text(text_out, attention_mask), dim=-1)
@@ -829,32 +1249,26 @@ class MMFusionForPretraining(MMFusionPreTrainedModel):
         logit_scale = self.logit_scale.clamp(max=math.log(self.config.max_logit_scale)).exp()
         all_image_embeds, offset = _gather_with_grad(image_embeds)
         all_text_embeds, _ = _gather_with_grad(text_embeds)
-        logits_per_image = logit_scale * image_embeds @ all_text_embeds.t()  # (B, G)
-        logits_per_text = logit_scale * text_embeds @ all_image_embeds.t()  # (B, G)
+        logits_per_image = logit_scale * image_embeds @ all_text_embeds.t()  # (M, G_texts)
+        logits_per_text = logit_scale * text_embeds @ all_image_embeds.t()  # (N, G_images)
+        extra = base.tower_fields(vision_out, text_out, output_attentions, output_hidden_states)
+        fusion_kwargs = {"output_attentions": output_attentions, "output_hidden_states": output_hidden_states}
 
-        B = input_ids.shape[0]
-        idx = torch.arange(B, device=input_ids.device)
-        if not return_loss:
-            fused = base.fuse(image_features, text_features, attention_mask)
+        loss = itc_loss = itm_loss = itm_logits = fused = None
+        if return_loss:
+            targets = torch.arange(N, device=input_ids.device) + offset
+            itc_loss = (F.cross_entropy(logits_per_image, targets) + F.cross_entropy(logits_per_text, targets)) / 2
+            loss = self.config.itc_loss_weight * itc_loss
+            if self.config.itm_loss_weight > 0:
+                itm_loss, itm_logits, fused = self._itm(
+                    base, image_features, text_features, attention_mask, image_embeds, text_embeds, fusion_kwargs
+                )
+                loss = loss + self.config.itm_loss_weight * itm_loss
+        elif M == N:
+            fused = base.fuse(image_features, text_features, attention_mask, **fusion_kwargs)
             itm_logits = self.itm_head(fused.pooler_output)
-            return MMFusionForPretrainingOutput(
-                logits_per_image=logits_per_image,
-                logits_per_text=logits_per_text,
-                itm_logits=itm_logits,
-                image_embeds=image_embeds,
-                text_embeds=text_embeds,
-            )
-
-        targets = idx + offset
-        itc_loss = (F.cross_entropy(logits_per_image, targets) + F.cross_entropy(logits_per_text, targets)) / 2
-
-        loss = self.config.itc_loss_weight * itc_loss
-        itm_loss = itm_logits = None
-        if self.config.itm_loss_weight > 0:
-            itm_loss, itm_logits = self._itm(
-                base, image_features, text_features, attention_mask, image_embeds, text_embeds
-            )
-            loss = loss + self.config.itm_loss_weight * itm_loss
+        if fused is not None:
+            extra.update((name, getattr(fused, name)) for name in FUSION_OUTPUT_FIELDS)
         return MMFusionForPretrainingOutput(
             loss=loss,
             itc_loss=itc_loss,
@@ -864,12 +1278,14 @@ class MMFusionForPretraining(MMFusionPreTrainedModel):
             itm_logits=itm_logits,
             image_embeds=image_embeds,
             text_embeds=text_embeds,
+            **extra,
         )
 
-    def _itm(self, base, image_features, text_features, attention_mask, image_embeds, text_embeds):
+    def _itm(self, base, image_features, text_features, attention_mask, image_embeds, text_embeds, fusion_kwargs):
         """
         ITM loss over the B positive pairs, each image with a hard negative text and each text with a hard negative
-        image, fused in one pass over tower features computed once; returns it and the positives' logits.
+        image, fused in one pass over tower features computed once; returns it, the positives' logits and the
+        fusion output of the positive pairs.
         """
         B = image_embeds.shape[0]
         idx = torch.arange(B, device=image_embeds.device)
@@ -880,11 +1296,20 @@ class MMFusionForPretraining(MMFusionPreTrainedModel):
         else:
             image_index = text_index = idx
         fused = base.fuse(
-            image_features, text_features, attention_mask, image_index=image_index, text_index=text_index
+            image_features,
+            text_features,
+            attention_mask,
+            image_index=image_index,
+            text_index=text_index,
+            **fusion_kwargs,
         )
         all_itm_logits = self.itm_head(fused.pooler_output)
         itm_labels = (image_index == text_index).long()
-        return F.cross_entropy(all_itm_logits, itm_labels), all_itm_logits[:B]
+        # The fused pairs are [positives, image + negative text, negative image + text]: keep the positives'.
+        for name in FUSION_OUTPUT_FIELDS:
+            if getattr(fused, name) is not None:
+                setattr(fused, name, tuple(t[:B] for t in getattr(fused, name)))
+        return F.cross_entropy(all_itm_logits, itm_labels), all_itm_logits[:B], fused
 
     @torch.no_grad()
     def _hard_negatives(

@@ -18,10 +18,16 @@ from transformers import (
     BertConfig,
     HfArgumentParser,
     ViTConfig,
-    ViTImageProcessor,
+    pipeline,
 )
 
-from mm_fusion import MMFusionConfig, MMFusionForImageTextClassification, MMFusionProcessor, train_tokenizer
+from mm_fusion import (
+    MMFusionConfig,
+    MMFusionForImageTextClassification,
+    MMFusionImageProcessor,
+    MMFusionProcessor,
+    train_tokenizer,
+)
 
 
 @dataclass
@@ -50,7 +56,7 @@ def main(argv: list[str] | None = None) -> dict:
     label2id = {a: i for i, a in enumerate(answers)}
 
     tokenizer = train_tokenizer(easy_vqa.get_train_questions()[0], vocab_size=1000, model_max_length=32)
-    processor = MMFusionProcessor(ViTImageProcessor(size={"height": 64, "width": 64}), tokenizer)
+    processor = MMFusionProcessor(MMFusionImageProcessor(size={"height": 64, "width": 64}), tokenizer)
     config = MMFusionConfig(
         vision_config=ViTConfig(
             image_size=64,
@@ -107,8 +113,14 @@ def main(argv: list[str] | None = None) -> dict:
     test_batch = reloaded_processor(images=test_images, text=test_questions, padding=True, return_tensors="pt")
     with torch.no_grad():
         predictions = reloaded(**test_batch).logits.argmax(-1).tolist()
-    for question, answer, pred in zip(test_questions, test_answers, predictions):
-        print(f"  {question!r:50} true {answer:10} predicted {reloaded.config.id2label[pred]}")
+    # The same through the pipeline, which reads the images with the saved processor and batches the questions.
+    answerer = pipeline("image-text-classification", model=args.output_dir)
+    served = answerer(image=test_images, question=test_questions)
+    for question, answer, pred, top in zip(test_questions, test_answers, predictions, served):
+        print(
+            f"  {question!r:50} true {answer:10} predicted {reloaded.config.id2label[pred]:10} "
+            f"pipeline {top[0]['answer']} ({top[0]['score']:.2f})"
+        )
     print(f"saved to {args.output_dir}")
     return {"fit_accuracy": fit_accuracy, "output_dir": args.output_dir}
 

@@ -18,10 +18,10 @@ from pathlib import Path
 
 import yaml
 from torch.distributed.elastic.multiprocessing.errors import record
-from transformers import AutoTokenizer, EarlyStoppingCallback, HfArgumentParser, ViTImageProcessor, set_seed
+from transformers import AutoTokenizer, EarlyStoppingCallback, HfArgumentParser, set_seed
 from transformers.utils import logging as hf_logging
 
-from mm_fusion import MMFusionProcessor, train_tokenizer
+from mm_fusion import MMFusionImageProcessor, MMFusionProcessor, train_tokenizer
 from mm_fusion.data import ImageTextCollator, PreparedData, prepare_dataset
 from mm_fusion.training import (
     DataArguments,
@@ -152,6 +152,8 @@ def build_trainer(argv: list[str] | None = None) -> tuple[MMFusionTrainer, Run]:
     tokenizer = build_tokenizer(model_args, data["train"][data_args.text_column], training_args, resume)
     image_size = data_args.image_size or 64
     model = build_model(model_args, data_args, tokenizer, labels, image_size)
+    if labels is not None:  # class ids: scores are read with a softmax, and the pipelines read this from the config
+        model.config.problem_type = "single_label_classification"
     image_size = model.config.vision_config.image_size
     prepared = prepare_dataset(
         data,
@@ -177,14 +179,12 @@ def build_trainer(argv: list[str] | None = None) -> tuple[MMFusionTrainer, Run]:
 
         flips = v2.Compose([v2.RandomHorizontalFlip(), v2.RandomVerticalFlip()])
         train_collator = ImageTextCollator(prepared.images, image_transform=flips, **collator_kwargs)
+    # Saved with the model: the image processor runs the cache's own image function and the texts are truncated to
+    # the training length, so serving reproduces the training input exactly (the model normalises the pixels).
     processor = MMFusionProcessor(
-        ViTImageProcessor(
-            size={"height": image_size, "width": image_size},
-            image_mean=model.config.image_mean,
-            image_std=model.config.image_std,
-            resample=2,  # bilinear, as the cached preprocessing
-        ),
+        MMFusionImageProcessor(size={"height": image_size, "width": image_size}),
         tokenizer,
+        max_length=data_args.max_length,
     )
 
     if task == "pretrain":

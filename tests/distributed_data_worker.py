@@ -11,13 +11,13 @@ import sys
 import torch.distributed as dist
 from transformers import BertConfig, Trainer, TrainingArguments, ViTConfig
 
-import mm_fusion.data.preprocessing as preprocessing
+import mm_fusion.image_processing_mm_fusion as image_processing
 from mm_fusion import MMFusionConfig, MMFusionForImageTextClassification
 from mm_fusion.data import ImageTextCollator, load_pairs, prepare_dataset
 from mm_fusion.tokenizer_training import train_tokenizer
 
 
-_load_image = preprocessing.load_image
+_load_image = image_processing.load_image
 
 
 def counting_load_image(*args, **kwargs):
@@ -28,7 +28,7 @@ def counting_load_image(*args, **kwargs):
 
 
 def main(data_dir: str, output: str) -> None:
-    preprocessing.load_image = counting_load_image
+    image_processing.load_image = counting_load_image  # what load_pixels calls, for the cache and the processor
     rows = [json.loads(line) for line in open(os.path.join(data_dir, "pairs.jsonl"))]
     tokenizer = train_tokenizer([r["text"] for r in rows], vocab_size=100)
     prepared = prepare_dataset(

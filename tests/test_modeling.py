@@ -1,5 +1,9 @@
-"""MMFusion models: shapes, training signal, invariances, save/load, gradient checkpointing, clear errors."""
+"""MMFusion models: shapes, training signal, invariances, save/load, gradient checkpointing, transformers' model API
+(hidden states, attentions, eager / SDPA, tuples, embeddings), clear errors."""
 
+import copy
+import dataclasses
+import inspect
 import json
 import os
 
@@ -58,8 +62,12 @@ def test_output_shapes(tester, fusion_type):
     assert out.image_hidden_state.shape == (B, num_patches, D)
     pooled = 3 * config.projection_dim if fusion_type == "late" else 2 * config.fusion_hidden_size
     assert out.pooler_output.shape == (B, pooled) and base.pooled_dim == pooled
-    assert base.get_image_features(inputs["pixel_values"]).shape == (B, config.projection_dim)
-    assert base.get_text_features(inputs["input_ids"], inputs["attention_mask"]).shape == (B, config.projection_dim)
+    image_features = base.get_image_features(inputs["pixel_values"])
+    assert image_features.pooler_output.shape == (B, config.projection_dim)
+    assert image_features.last_hidden_state.shape == (B, num_patches, 32)
+    text_features = base.get_text_features(inputs["input_ids"], inputs["attention_mask"])
+    assert text_features.pooler_output.shape == (B, config.projection_dim)
+    assert text_features.last_hidden_state.shape == (B, T, 32)
 
     clf = MMFusionForImageTextClassification(config).eval()
     assert clf(**inputs).logits.shape == (B, tester.num_labels)
@@ -192,6 +200,7 @@ def test_save_load_equality(tester, tmp_path, fusion_type, head, auto_class):
         "AutoModel": "modeling_mm_fusion.MMFusionModel",
         "AutoModelForPreTraining": "modeling_mm_fusion.MMFusionForPretraining",
         "AutoModelForVisualQuestionAnswering": "modeling_mm_fusion.MMFusionForImageTextClassification",
+        "AutoModelForZeroShotImageClassification": "modeling_mm_fusion.MMFusionForPretraining",
     }
 
     reloaded = auto_class.from_pretrained(tmp_path).eval()
@@ -271,6 +280,224 @@ def test_towers_from_other_families(tester):
     inputs = tester.inputs()
     inputs["input_ids"] = inputs["input_ids"].clamp(min=2)
     assert model(**inputs).logits.shape == (tester.batch_size, 3)
+
+
+# transformers' model API: hidden states, attentions, attention implementations, tuples, embeddings --------------
+# (tests/test_model_common.py runs transformers' own ModelTesterMixin as well, when its sdist is at hand)
+
+
+def _float_tensors(output, prefix: str = "") -> dict[str, torch.Tensor]:
+    """Every floating-point tensor of a (nested) model output, by dotted name."""
+    if isinstance(output, torch.Tensor):
+        return {prefix: output} if output.is_floating_point() else {}
+    items = output.items() if isinstance(output, dict) else enumerate(output or ())
+    tensors = {}
+    for key, value in items:
+        tensors.update(_float_tensors(value, f"{prefix}.{key}" if prefix else str(key)))
+    return tensors
+
+
+def _eager_copy(model):
+    eager = copy.deepcopy(model)
+    eager.set_attn_implementation("eager")
+    return eager
+
+
+# Each fusion type in each direction ("late" has no fusion layers, so its direction changes nothing).
+FUSION_VARIANTS = [(t, d) for t in ("hierarchical", "cross_attention") for d in ("bidirectional", "text_to_image")]
+FUSION_VARIANTS.append(("late", "bidirectional"))
+SMALL_PATCH = 6  # 30 px images in 6 px patches: 26 image tokens instead of 226, for the heavier tests below
+NUM_IMAGE_TOKENS = (30 // SMALL_PATCH) ** 2 + 1
+
+
+def _small_config(tester, fusion_type: str = "hierarchical", **kwargs) -> MMFusionConfig:
+    return tester.config(fusion_type, vision_config=tester.vision_config(patch_size=SMALL_PATCH), **kwargs)
+
+
+@pytest.mark.parametrize("fusion_type, direction", FUSION_VARIANTS)
+@pytest.mark.parametrize("head", HEADS)
+def test_eager_attention_matches_sdpa(tester, head, fusion_type, direction):
+    """Every output, hidden states of the towers and fusion streams included, agrees between the implementations."""
+    model = head(_small_config(tester, fusion_type, fusion_direction=direction)).eval()
+    eager = _eager_copy(model)
+    assert model.config._attn_implementation == "sdpa" and eager.config._attn_implementation == "eager"
+    for attention in (m for m in eager.modules() if type(m).__name__ == "MMFusionAttention"):
+        assert attention.config._attn_implementation == "eager"
+    inputs = tester.inputs(batch_size=4)  # texts of different lengths: padding is masked
+    cases = [inputs]
+    if head is not MMFusionForPretraining:  # images shared by several texts
+        cases.append({**inputs, "pixel_values": inputs["pixel_values"][:2], "image_index": torch.tensor([0, 1, 1, 0])})
+    for case in cases:
+        with torch.no_grad():
+            expected = _float_tensors(model(**case, output_hidden_states=True))
+            got = _float_tensors(eager(**case, output_hidden_states=True))
+        assert len(got) >= 8
+        _assert_close(got, expected, atol=1e-5)
+
+
+@pytest.mark.parametrize("fusion_type, direction", FUSION_VARIANTS)
+@pytest.mark.parametrize("head", HEADS)
+def test_hidden_states_and_attentions_of_towers_and_fusion_layers(tester, head, fusion_type, direction):
+    model = _eager_copy(head(_small_config(tester, fusion_type, fusion_direction=direction)).eval())
+    inputs = tester.inputs()
+    B, T, P, L, H = tester.batch_size, tester.seq_length, NUM_IMAGE_TOKENS, 2, 4
+    fused, both_ways = fusion_type != "late", fusion_type != "late" and direction == "bidirectional"
+    with torch.no_grad():
+        plain = model(**inputs)
+        out = model(**inputs, output_hidden_states=True, output_attentions=True)
+    expected = {
+        "text_hidden_states": (L + 1, (B, T, 32)),
+        "vision_hidden_states": (L + 1, (B, P, 32)),
+        "fusion_text_hidden_states": (L + 1, (B, T, 32)) if fused else None,
+        "fusion_image_hidden_states": (L + 1, (B, P, 32)) if fused else None,
+        "text_attentions": (L, (B, H, T, T)),
+        "vision_attentions": (L, (B, H, P, P)),
+        "fusion_text_self_attentions": (L, (B, H, T, T)) if fused else None,
+        "text_to_image_attentions": (L, (B, H, T, P)) if fused else None,
+        "fusion_image_self_attentions": (L, (B, H, P, P)) if both_ways else None,
+        "image_to_text_attentions": (L, (B, H, P, T)) if both_ways else None,
+    }
+    for name, shapes in expected.items():
+        assert getattr(plain, name) is None, name
+        if shapes is None:
+            assert getattr(out, name) is None, name
+            continue
+        assert [tuple(t.shape) for t in getattr(out, name)] == [shapes[1]] * shapes[0], name
+    # Requesting them changes nothing else.
+    plain, out_tensors = _float_tensors(plain), _float_tensors(out)
+    _assert_close({name: out_tensors[name] for name in plain}, plain, atol=0)
+    if fused:
+        padding = inputs["attention_mask"] == 0
+        for probs in out.text_to_image_attentions:
+            torch.testing.assert_close(probs.sum(-1), torch.ones(B, H, T))
+        for probs in out.fusion_text_self_attentions + (out.image_to_text_attentions or ()):
+            assert float(probs.masked_select(padding[:, None, None, :]).abs().max()) == 0.0  # no attention to padding
+
+
+@pytest.mark.parametrize("direction", ["bidirectional", "text_to_image"])
+def test_text_to_image_attentions_are_one_map_per_text_when_texts_share_images(tester, direction):
+    """The attention-map field: (batch, heads, text_len, num_image_tokens) per fusion layer, one map per text."""
+    model = _eager_copy(MMFusionForImageTextClassification(_small_config(tester, fusion_direction=direction)).eval())
+    inputs = tester.inputs(batch_size=4)
+    images, image_index = inputs["pixel_values"][:2], torch.tensor([0, 1, 1, 0])
+    with torch.no_grad():
+        shared = model(**{**inputs, "pixel_values": images}, image_index=image_index, output_attentions=True)
+        repeated = model(**{**inputs, "pixel_values": images[image_index]}, output_attentions=True)
+    assert len(shared.text_to_image_attentions) == 2  # one per fusion layer
+    for a, b in zip(shared.text_to_image_attentions, repeated.text_to_image_attentions, strict=True):
+        assert a.shape == (4, 4, tester.seq_length, NUM_IMAGE_TOKENS)
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+    assert shared.vision_attentions[0].shape[0] == 2  # the vision tower saw each image once
+
+
+def test_attentions_need_the_eager_implementation_chosen_the_transformers_way(tester, tmp_path):
+    inputs = tester.inputs()
+    model = MMFusionModel(_small_config(tester)).eval()
+    # SDPA computes no probabilities: as transformers 5.23 does for its own models, it warns and returns none.
+    with torch.no_grad():
+        out = model(**inputs, output_attentions=True)
+    assert out.text_attentions == () and out.text_to_image_attentions == () and out.image_to_text_attentions == ()
+    with pytest.raises(ValueError, match="set it to 'eager'"):
+        model.config.output_attentions = True
+    model.save_pretrained(tmp_path)
+    for eager in (
+        MMFusionModel(_small_config(tester, attn_implementation="eager")),
+        MMFusionModel.from_pretrained(tmp_path, attn_implementation="eager"),
+        _eager_copy(model),
+    ):
+        configs = (eager.config, eager.vision_model.config, eager.text_model.config)
+        assert [c._attn_implementation for c in configs] == ["eager"] * 3
+        with torch.no_grad():
+            out = eager.eval()(**inputs, output_attentions=True)
+        assert len(out.text_to_image_attentions) == 2 and len(out.text_attentions) == 2
+    with pytest.raises(TypeError, match="`output_hidden_states` must be True or False"):
+        model(**inputs, output_hidden_states=[0, 2])
+
+
+@pytest.mark.parametrize("head", HEADS)
+def test_return_dict_false_gives_tuples(tester, head):
+    model = head(_small_config(tester)).eval()
+    inputs = tester.inputs()
+    with torch.no_grad():
+        as_dict = model(**inputs, output_hidden_states=True)
+        as_tuple = model(**inputs, output_hidden_states=True, return_dict=False)
+        model.config.return_dict = False
+        from_config = model(**inputs)
+    assert isinstance(as_tuple, tuple) and isinstance(from_config, tuple)
+    # The non-None fields in the order the output class declares them, the nested tower outputs as tuples too.
+    fields = [f.name for f in dataclasses.fields(as_dict) if getattr(as_dict, f.name) is not None]
+    assert list(as_dict.keys()) == fields and len(as_tuple) == len(fields)
+    _assert_close(_float_tensors(as_tuple), _float_tensors(as_dict.to_tuple()), atol=0)
+    torch.testing.assert_close(from_config[0], as_tuple[0], atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("fusion_type", FUSION_TYPES)
+def test_image_and_text_features_are_outputs_with_pooling_as_in_clip(tester, fusion_type):
+    model = MMFusionModel(tester.config(fusion_type)).eval()
+    inputs = tester.inputs()
+    num_patches = (tester.image_size // 2) ** 2 + 1
+    with torch.no_grad():
+        image = model.get_image_features(inputs["pixel_values"], output_hidden_states=True)
+        text = model.get_text_features(inputs["input_ids"], inputs["attention_mask"], output_hidden_states=True)
+        image_tuple = model.get_image_features(inputs["pixel_values"], return_dict=False)
+        fused = model(**inputs)
+    assert image.pooler_output.shape == text.pooler_output.shape == (tester.batch_size, 16)
+    assert image.last_hidden_state.shape == (tester.batch_size, num_patches, 32) and len(image.hidden_states) == 3
+    assert text.last_hidden_state.shape == (tester.batch_size, tester.seq_length, 32) and len(text.hidden_states) == 3
+    assert image.attentions is None and isinstance(image_tuple, tuple)
+    torch.testing.assert_close(image_tuple[1], image.pooler_output, atol=0, rtol=0)
+    if fusion_type == "late":  # the late-fusion pooled vectors are these embeddings
+        torch.testing.assert_close(fused.image_pooled, image.pooler_output, atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(fused.text_pooled, text.pooler_output, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("head", HEADS)
+def test_resize_token_embeddings_after_adding_tokens(tester, tmp_path, head):
+    from mm_fusion import train_tokenizer
+
+    corpus = ["what color is the circle?", "is there a blue triangle?", "what shape is present?"]
+    tokenizer = train_tokenizer(corpus, vocab_size=60)
+    config = tester.config(text_config=tester.text_config(vocab_size=len(tokenizer)))
+    model = head(config).eval()
+    assert model.get_input_embeddings() is model.base_model.text_model.embeddings.word_embeddings
+    tokenizer.add_tokens(["<hexagon>", "<octagon>"])
+    model.resize_token_embeddings(len(tokenizer))
+    assert model.config.text_config.vocab_size == len(tokenizer) == model.get_input_embeddings().num_embeddings
+    batch = tokenizer(["is there a <hexagon>?", "what color is the <octagon>?"], padding=True, return_tensors="pt")
+    assert int(batch["input_ids"].max()) == len(tokenizer) - 1  # a new token is in the batch
+    inputs = {**batch, "pixel_values": tester.inputs(batch_size=2)["pixel_values"]}
+    model.save_pretrained(tmp_path)
+    reloaded = head.from_pretrained(tmp_path).eval()
+    assert reloaded.config.text_config.vocab_size == len(tokenizer)
+    _assert_close(_outputs(model, inputs), _outputs(reloaded, inputs), atol=0)
+
+
+@pytest.mark.parametrize("head", HEADS)
+def test_main_input_name_is_the_first_forward_argument(tester, head):
+    assert list(inspect.signature(head.forward).parameters)[1] == head.main_input_name == "input_ids"
+    model = head(tester.config()).eval()
+    inputs = tester.inputs()
+    with pytest.raises(ValueError, match=r"first two arguments are \(input_ids, pixel_values\)"):
+        model(inputs["pixel_values"], inputs["input_ids"])  # the order before transformers' convention
+
+
+@pytest.mark.parametrize("fusion_type", FUSION_TYPES)
+def test_pretraining_scores_n_texts_against_m_images_clip_style(tester, fusion_type):
+    """Zero-shot classification's call: N label prompts against one image (or M images), without the loss."""
+    model = MMFusionForPretraining(tester.config(fusion_type)).eval()
+    inputs = tester.inputs(batch_size=4)
+    texts = {"input_ids": inputs["input_ids"], "attention_mask": inputs["attention_mask"]}
+    with torch.no_grad():
+        paired = model(**inputs)
+        for num_images in (1, 3):
+            out = model(**texts, pixel_values=inputs["pixel_values"][:num_images], output_hidden_states=True)
+            assert out.logits_per_image.shape == (num_images, 4) and out.logits_per_text.shape == (4, num_images)
+            torch.testing.assert_close(out.logits_per_image, paired.logits_per_image[:num_images])
+            torch.testing.assert_close(out.logits_per_text, paired.logits_per_text[:, :num_images])
+            assert out.itm_logits is None and out.fusion_text_hidden_states is None  # matching needs pairs
+            assert len(out.text_hidden_states) == 3 and out.vision_hidden_states[0].shape[0] == num_images
+    with pytest.raises(ValueError, match="return_loss needs one image per text.*1 images and input_ids 4 texts"):
+        model(**texts, pixel_values=inputs["pixel_values"][:1], return_loss=True)
 
 
 # Bad input gets a clear error -------------------------------------------------------------------------------------

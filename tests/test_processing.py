@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from transformers import AutoProcessor, AutoTokenizer, ViTImageProcessor
+from transformers import AutoProcessor, AutoTokenizer
 
-from mm_fusion import MMFusionProcessor, train_tokenizer
+from mm_fusion import MMFusionImageProcessor, MMFusionProcessor, train_tokenizer
 
 
 CORPUS = [
@@ -21,7 +21,7 @@ CORPUS = [
 @pytest.fixture
 def processor() -> MMFusionProcessor:
     tokenizer = train_tokenizer(CORPUS, vocab_size=200, model_max_length=32)
-    return MMFusionProcessor(ViTImageProcessor(size={"height": 30, "width": 30}), tokenizer)
+    return MMFusionProcessor(MMFusionImageProcessor(size={"height": 30, "width": 30}), tokenizer)
 
 
 def _images(n: int) -> list[Image.Image]:

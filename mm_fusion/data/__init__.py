@@ -1,16 +1,8 @@
 """Data pipelines on `datasets`: sources, validation with a quarantine report, map-based preprocessing, collation."""
 
+from ..image_processing_mm_fusion import BadSample, load_image, load_pixels, to_rgb
 from .collator import AlignmentError, ImageTextCollator, uint8_pixels
-from .preprocessing import (
-    BadSample,
-    PreparedData,
-    image_key,
-    load_image,
-    prepare_dataset,
-    prepare_images,
-    prepare_texts,
-    to_rgb,
-)
+from .preprocessing import PreparedData, image_key, prepare_dataset, prepare_images, prepare_texts
 from .sources import load_easy_vqa, load_pairs
 
 
@@ -22,6 +14,7 @@ __all__ = [
     "image_key",
     "load_easy_vqa",
     "load_image",
+    "load_pixels",
     "load_pairs",
     "prepare_dataset",
     "prepare_images",

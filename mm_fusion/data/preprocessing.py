@@ -7,10 +7,8 @@ with counts per reason.
 """
 
 import hashlib
-import io
 import json
 import logging
-import math
 import os
 from collections import Counter
 from dataclasses import dataclass
@@ -22,104 +20,13 @@ from accelerate import PartialState
 from datasets import Array3D, Dataset, DatasetDict, Features, List, Value, concatenate_datasets
 from datasets import Image as ImageFeature
 from datasets.fingerprint import Hasher
-from PIL import Image, UnidentifiedImageError
+
+from ..image_processing_mm_fusion import MAX_IMAGE_PIXELS, BadSample, load_pixels
 
 
 logger = logging.getLogger(__name__)
 
-# Default refusal limit, in pixels, for one image (PIL warns at 89M and refuses at 179M). 50 megapixels is far above
-# any photo a fusion model is trained on and keeps a single decode under ~150 MB.
-MAX_IMAGE_PIXELS = 50_000_000
 ON_BAD_SAMPLE = ("skip", "error")
-
-
-class BadSample(Exception):
-    """A row that cannot be trained on; `reason` is a short machine-readable tag."""
-
-    def __init__(self, reason: str, detail: str):
-        super().__init__(f"{reason}: {detail}")
-        self.reason = reason
-        self.detail = detail
-
-
-def _to_8_bit(image: Image.Image) -> Image.Image:
-    """
-    A 16/32-bit integer or float grayscale image as 8-bit. Integer values are read against the full scale of the
-    bit depth they use (12-bit sensor data stored in 16 bits: 4095, not 65535), so an image that does not span its
-    container's range keeps its contrast instead of turning black; floats in [0, 1] against 1.
-    """
-    array = np.asarray(image, dtype=np.float64)
-    top = float(array.max()) if array.size else 0.0
-    if image.mode == "F" and top <= 1.0:
-        full_scale = 1.0
-    else:
-        full_scale = float(2 ** max(8, math.ceil(math.log2(max(top, 0.0) + 1))) - 1)
-    return Image.fromarray(np.clip(array / full_scale * 255.0, 0, 255).round().astype(np.uint8), mode="L")
-
-
-def to_rgb(image: Image.Image) -> Image.Image:
-    """Convert any PIL mode to RGB: transparency is composited on white, 16/32-bit and float images are rescaled."""
-    if image.mode == "RGB":
-        return image
-    if image.mode in ("I;16", "I;16B", "I;16L", "I", "F"):
-        image = _to_8_bit(image)
-    if image.mode == "P":
-        image = image.convert("RGBA" if "transparency" in image.info else "RGB")
-    if image.mode in ("RGBA", "LA", "PA"):
-        rgba = image.convert("RGBA")
-        background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
-        return Image.alpha_composite(background, rgba).convert("RGB")
-    return image.convert("RGB")
-
-
-def _resolve_path(path: str, data_root: str | None) -> str:
-    """An image path made absolute against `data_root`, refused if it points outside the root."""
-    if data_root is None:
-        return os.path.abspath(path)
-    root = os.path.realpath(data_root)
-    full = os.path.realpath(os.path.join(root, path))
-    if os.path.commonpath([root, full]) != root:
-        raise BadSample("path_outside_root", f"{path!r} resolves outside the data root {data_root!r}")
-    return full
-
-
-def load_image(value: Any, data_root: str | None = None, max_pixels: int = MAX_IMAGE_PIXELS) -> Image.Image:
-    """
-    Decode one image fully and return it as RGB, or raise `BadSample`. `value` is a path (relative to `data_root`
-    when given), a `datasets.Image(decode=False)` dict with `bytes` / `path`, raw bytes, or a PIL image.
-    """
-    if isinstance(value, Image.Image):
-        image = value
-    else:
-        if isinstance(value, dict):
-            value = value.get("bytes") or value.get("path")
-        if isinstance(value, (bytes, bytearray)):
-            if not value:
-                raise BadSample("empty_file", "the image bytes are empty")
-            stream, source = io.BytesIO(value), "<bytes>"
-        elif isinstance(value, str) and value:
-            source = _resolve_path(value, data_root)
-            if not os.path.isfile(source):
-                raise BadSample("missing_image", f"no file at {source}")
-            if os.path.getsize(source) == 0:
-                raise BadSample("empty_file", f"{source} has zero bytes")
-            stream = source
-        else:
-            raise BadSample("missing_image", f"no image given ({value!r})")
-        try:
-            image = Image.open(stream)
-        except UnidentifiedImageError:
-            raise BadSample("not_an_image", f"{source} is not an image PIL can read") from None
-        except Image.DecompressionBombError as err:
-            raise BadSample("too_large", str(err)) from None
-    width, height = image.size
-    if width * height > max_pixels:  # checked from the header, before decoding
-        raise BadSample("too_large", f"{width}x{height} exceeds the limit of {max_pixels} pixels")
-    try:
-        image.load()
-    except OSError as err:
-        raise BadSample("truncated", f"decoding failed: {err}") from None
-    return to_rgb(image)
 
 
 def _describe_source(value: Any) -> str:
@@ -163,8 +70,7 @@ def prepare_images(
         keys.append(image_key(value))
         sources.append(_describe_source(value))
         try:
-            image = load_image(value, data_root, max_pixels).resize((image_size, image_size), Image.BILINEAR)
-            pixels.append(np.asarray(image, dtype=np.uint8).transpose(2, 0, 1))
+            pixels.append(load_pixels(value, image_size, data_root, max_pixels))  # the processor's function too
             errors.append("")
         except BadSample as bad:
             pixels.append(blank)
