@@ -172,6 +172,18 @@ def test_vqa_pipeline_call_forms_and_image_sharing(vqa_run):
     assert shapes == [1] and len(many) == 5
 
 
+def test_vqa_pipeline_takes_dtype_and_device(vqa_run):
+    out, _, _ = vqa_run
+    rows = _eval_rows(8)
+    inputs = dict(image=[r["image"] for r in rows], question=[r["question"] for r in rows], top_k=2)
+    full = pipeline("image-text-classification", model=str(out), device="cpu")(**inputs)
+    half = pipeline("image-text-classification", model=str(out), device="cpu", dtype=torch.bfloat16)
+    assert half.model.dtype == torch.bfloat16 and half.device.type == "cpu"
+    served = half(**inputs)
+    for a, b in zip(full, served):  # bf16 scores are close to the float32 ones (the uint8 pixels are cast on device)
+        assert [x["score"] for x in b] == pytest.approx([x["score"] for x in a], abs=0.05)
+
+
 def test_vqa_pipeline_names_the_bad_input(vqa_run, tmp_path):
     out, _, _ = vqa_run
     pipe = pipeline("image-text-classification", model=str(out))
