@@ -245,21 +245,31 @@ class MMFusionImageProcessor(BaseImageProcessor):
         return BatchFeature({"pixel_values": pixel_values})
 
     def load_batch(
-        self, images: list, image_size: int | None = None, max_pixels: int | None = None, data_root: str | None = None
+        self,
+        images: list,
+        image_size: int | None = None,
+        max_pixels: int | None = None,
+        data_root: str | None = None,
+        names: list[str] | None = None,
     ) -> np.ndarray:
-        """A list of images as one uint8 array `(N, 3, S, S)`; a bad one raises a `ValueError` that names it."""
+        """
+        A list of images as one uint8 array `(N, 3, S, S)`; a bad one raises a `ValueError` that names it, by
+        `names[i]` when given (the pipelines pass each image's input position) or by its place in the list.
+        """
         if not images:
             raise ValueError("MMFusionImageProcessor got no images.")
         image_size = image_size or self.image_size
+        data_root = data_root if data_root is not None else self.data_root
         out = np.empty((len(images), 3, image_size, image_size), dtype=np.uint8)
         for i, image in enumerate(images):
             try:
                 out[i] = load_pixels(image, image_size, data_root, max_pixels or self.max_pixels)
             except BadSample as bad:
-                where = f"image {i} of {len(images)}" if len(images) > 1 else "the image"
-                raise ValueError(
-                    f"Cannot use {where} ({describe_image(image)}): {bad.reason}: {bad.detail}."
-                ) from None
+                if names is not None:
+                    where = names[i]
+                else:
+                    where = f"Cannot use image {i} of {len(images)}" if len(images) > 1 else "Cannot use the image"
+                raise ValueError(f"{where} ({describe_image(image)}): {bad.reason}: {bad.detail}.") from None
         return out
 
 

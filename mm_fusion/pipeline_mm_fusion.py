@@ -26,8 +26,6 @@ import torch.nn.functional as F
 from transformers import Pipeline
 from transformers.utils import logging
 
-from .image_processing_mm_fusion import BadSample, describe_image, load_pixels
-
 
 try:  # tqdm ships with transformers; a missing one only loses the progress bar
     from tqdm.auto import tqdm
@@ -100,17 +98,19 @@ class _MMFusionPipeline(Pipeline):
         processor = self.image_processor
         if not hasattr(processor, "load_batch"):  # another image processor: its own float output
             return processor(images=images, return_tensors="pt")["pixel_values"]
-        pixels = []
-        for image, position in zip(images, positions):
-            try:
-                pixels.append(
-                    torch.from_numpy(
-                        load_pixels(image, processor.image_size, processor.data_root, processor.max_pixels)
-                    )
-                )
-            except BadSample as bad:
-                raise ValueError(f"Input {position} ({describe_image(image)}): {bad.reason}: {bad.detail}.") from None
-        return torch.stack(pixels)
+        names = [f"Input {position}" for position in positions]
+        return torch.from_numpy(processor.load_batch(images, names=names))
+
+    def _embed_images(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        with self.device_placement(), torch.no_grad():
+            out = _encoder(self.model, "get_image_features")(pixel_values=pixel_values.to(self.device))
+        return F.normalize(_features(out).float(), dim=-1).cpu()
+
+    def _embed_texts(self, texts: list[str]) -> torch.Tensor:
+        inputs = {k: v.to(self.device) for k, v in self._tokenize(texts).items()}
+        with self.device_placement(), torch.no_grad():
+            out = _encoder(self.model, "get_text_features")(**inputs)
+        return F.normalize(_features(out).float(), dim=-1).cpu()
 
     def _distinct_images(self, images: list, positions: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Each distinct image of a batch read once: their `pixel_values` and each input's row in them."""
@@ -418,17 +418,6 @@ class ImageTextRetrievalPipeline(_MMFusionPipeline):
             model=getattr(self.model.config, "_name_or_path", None),
         )
 
-    def _embed_images(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        with self.device_placement(), torch.no_grad():
-            out = _encoder(self.model, "get_image_features")(pixel_values=pixel_values.to(self.device))
-        return F.normalize(_features(out).float(), dim=-1).cpu()
-
-    def _embed_texts(self, texts: list[str]) -> torch.Tensor:
-        inputs = {k: v.to(self.device) for k, v in self._tokenize(texts).items()}
-        with self.device_placement(), torch.no_grad():
-            out = _encoder(self.model, "get_text_features")(**inputs)
-        return F.normalize(_features(out).float(), dim=-1).cpu()
-
     def __call__(
         self,
         inputs=None,
@@ -519,10 +508,9 @@ class CachedZeroShotImageClassificationPipeline(_MMFusionPipeline):
         # The model's own logit scale (clamped as in training), so scores match transformers' stock pipeline.
         scale = self.model.logit_scale.detach().float().cpu().clamp(max=math.log(self.model.config.max_logit_scale))
         results = []
-        retriever = ImageTextRetrievalPipeline._embed_images
         for start, end in self._batches(len(images), batch_size, "zero-shot"):
             pixel_values = self._load_images(images[start:end], list(range(start, end)))
-            image_embeds = retriever(self, pixel_values)
+            image_embeds = self._embed_images(pixel_values)
             probabilities = (scale.exp() * image_embeds @ text_embeds.t()).softmax(-1)
             for row in probabilities.tolist():
                 ranked = sorted(zip(row, candidate_labels), key=lambda pair: -pair[0])
@@ -534,7 +522,7 @@ class CachedZeroShotImageClassificationPipeline(_MMFusionPipeline):
         key = (tuple(labels), template)
         if key not in self._prompt_cache:
             prompts = [template.format(label) for label in labels]
-            self._prompt_cache[key] = ImageTextRetrievalPipeline._embed_texts(self, prompts)
+            self._prompt_cache[key] = self._embed_texts(prompts)
         return self._prompt_cache[key]
 
 

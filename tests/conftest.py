@@ -84,6 +84,30 @@ class MMFusionModelTester:
         return {"pixel_values": pixel_values, "input_ids": input_ids, "attention_mask": attention_mask}
 
 
+def expected_output_shapes(
+    B: int, T: int, P: int, D: int, H: int, L: int, fusion_type: str, fusion_direction: str
+) -> dict[str, tuple[int, tuple[int, ...]] | None]:
+    """
+    For each hidden-state / attention field of an MMFusion output: (number of entries, shape of each), or None when
+    the fusion type does not return it. B texts (one image each), T tokens, P image tokens, width D, H heads, L layers
+    in both towers and the fusion block.
+    """
+    fused = fusion_type != "late"
+    both_ways = fused and fusion_direction == "bidirectional"
+    return {
+        "text_hidden_states": (L + 1, (B, T, D)),
+        "vision_hidden_states": (L + 1, (B, P, D)),
+        "fusion_text_hidden_states": (L + 1, (B, T, D)) if fused else None,
+        "fusion_image_hidden_states": (L + 1, (B, P, D)) if fused else None,
+        "text_attentions": (L, (B, H, T, T)),
+        "vision_attentions": (L, (B, H, P, P)),
+        "fusion_text_self_attentions": (L, (B, H, T, T)) if fused else None,
+        "text_to_image_attentions": (L, (B, H, T, P)) if fused else None,
+        "fusion_image_self_attentions": (L, (B, H, P, P)) if both_ways else None,
+        "image_to_text_attentions": (L, (B, H, P, T)) if both_ways else None,
+    }
+
+
 @pytest.fixture(scope="module")
 def train_script():
     """`scripts/train.py` as a module: its `main`, `build_trainer` and `train_and_save`, called in-process."""

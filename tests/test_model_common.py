@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from conftest import MMFusionModelTester
+from conftest import MMFusionModelTester, expected_output_shapes
 
 from mm_fusion import MMFusionConfig, MMFusionForImageTextClassification, MMFusionForPretraining, MMFusionModel
 
@@ -194,20 +194,7 @@ class MMFusionCommonTests(common.ModelTesterMixin):
         t = self.model_tester
         B, T, P, D, H = t.batch_size, t.seq_length, (t.image_size // t.patch_size) ** 2 + 1, t.hidden_size, 4
         L = t.num_hidden_layers  # both towers and the fusion block have this many layers
-        fused = self.fusion_type != "late"
-        both_ways = fused and self.fusion_direction == "bidirectional"
-        return {
-            "text_hidden_states": (L + 1, (B, T, D)),
-            "vision_hidden_states": (L + 1, (B, P, D)),
-            "fusion_text_hidden_states": (L + 1, (B, T, D)) if fused else None,
-            "fusion_image_hidden_states": (L + 1, (B, P, D)) if fused else None,
-            "text_attentions": (L, (B, H, T, T)),
-            "vision_attentions": (L, (B, H, P, P)),
-            "fusion_text_self_attentions": (L, (B, H, T, T)) if fused else None,
-            "text_to_image_attentions": (L, (B, H, T, P)) if fused else None,
-            "fusion_image_self_attentions": (L, (B, H, P, P)) if both_ways else None,
-            "image_to_text_attentions": (L, (B, H, P, T)) if both_ways else None,
-        }
+        return expected_output_shapes(B, T, P, D, H, L, self.fusion_type, self.fusion_direction)
 
     def _check_fields(self, outputs, kind: str, requested: bool):
         """The `kind` ("hidden_states" / "attentions") fields of `outputs` have the expected count and shapes."""

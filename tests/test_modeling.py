@@ -9,7 +9,7 @@ import os
 
 import pytest
 import torch
-from conftest import FUSION_TYPES
+from conftest import FUSION_TYPES, expected_output_shapes
 from transformers import (
     AutoConfig,
     AutoModel,
@@ -341,22 +341,11 @@ def test_hidden_states_and_attentions_of_towers_and_fusion_layers(tester, head, 
     model = _eager_copy(head(_small_config(tester, fusion_type, fusion_direction=direction)).eval())
     inputs = tester.inputs()
     B, T, P, L, H = tester.batch_size, tester.seq_length, NUM_IMAGE_TOKENS, 2, 4
-    fused, both_ways = fusion_type != "late", fusion_type != "late" and direction == "bidirectional"
+    fused = fusion_type != "late"
     with torch.no_grad():
         plain = model(**inputs)
         out = model(**inputs, output_hidden_states=True, output_attentions=True)
-    expected = {
-        "text_hidden_states": (L + 1, (B, T, 32)),
-        "vision_hidden_states": (L + 1, (B, P, 32)),
-        "fusion_text_hidden_states": (L + 1, (B, T, 32)) if fused else None,
-        "fusion_image_hidden_states": (L + 1, (B, P, 32)) if fused else None,
-        "text_attentions": (L, (B, H, T, T)),
-        "vision_attentions": (L, (B, H, P, P)),
-        "fusion_text_self_attentions": (L, (B, H, T, T)) if fused else None,
-        "text_to_image_attentions": (L, (B, H, T, P)) if fused else None,
-        "fusion_image_self_attentions": (L, (B, H, P, P)) if both_ways else None,
-        "image_to_text_attentions": (L, (B, H, P, T)) if both_ways else None,
-    }
+    expected = expected_output_shapes(B, T, P, 32, H, L, fusion_type, direction)
     for name, shapes in expected.items():
         assert getattr(plain, name) is None, name
         if shapes is None:
