@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 import yaml
 from torch.distributed.elastic.multiprocessing.errors import record
 from transformers import AutoTokenizer, EarlyStoppingCallback, HfArgumentParser, set_seed
@@ -232,7 +233,7 @@ def build_trainer(argv: list[str] | None = None) -> tuple[MMFusionTrainer, Run]:
     if trainer.is_world_process_zero():
         parameters = sum(p.numel() for p in model.parameters())
         logger.info(
-            "task %s, fusion %s, %.2fM parameters; train %d pairs / %d images, eval %s pairs; %s",
+            "task %s, fusion %s, %.2fM parameters; train %d pairs / %d images, eval %s pairs; %s; %d torch threads",
             task,
             model.config.fusion_type,
             parameters / 1e6,
@@ -240,6 +241,7 @@ def build_trainer(argv: list[str] | None = None) -> tuple[MMFusionTrainer, Run]:
             len(prepared.images),
             len(eval_pairs) if eval_pairs is not None else 0,
             f"ablation {data_args.ablation}" if data_args.ablation != "none" else "no ablation",
+            torch.get_num_threads(),
         )
 
     return trainer, Run(model_args, data_args, training_args, prepared, main_metric, card_writer, start, resume)
@@ -251,7 +253,13 @@ def train_and_save(trainer: MMFusionTrainer, run: Run) -> dict:
     train_result = trainer.train(resume_from_checkpoint=run.resume)
     results = {"train_" + k if not k.startswith("train_") else k: v for k, v in train_result.metrics.items()}
     if eval_pairs is not None:
-        results.update(trainer.evaluate())
+        # The scheduled evaluation at the last step already scored these weights, unless the best checkpoint was
+        # loaded back since: reuse it rather than run the same evaluation twice.
+        last = next((h for h in reversed(trainer.state.log_history) if "eval_loss" in h), None)
+        if last is not None and last["step"] == trainer.state.global_step and not training_args.load_best_model_at_end:
+            results.update({k: v for k, v in last.items() if k.startswith("eval_") or k == "epoch"})
+        else:
+            results.update(trainer.evaluate())
     trainer.save_model()
     trainer.save_state()
     trainer.log_metrics("all", results)

@@ -227,6 +227,22 @@ def test_easy_vqa_source():
     assert os.path.isfile(row["image"]) and row["image"].endswith(f"{row['image_id']}.png")
 
 
+def test_easy_vqa_cache_follows_the_installed_package(monkeypatch, tmp_path):
+    # The rows hold absolute paths: a cache written by an install elsewhere (another venv) must not be reused.
+    import easy_vqa
+
+    package = os.path.dirname(os.path.abspath(easy_vqa.__file__))
+    paths = easy_vqa.get_test_image_paths()
+    before = load_easy_vqa(["test"])["test"][0]["image"]
+    assert before.startswith(package)
+    moved = str(tmp_path / "elsewhere")
+    monkeypatch.setattr(easy_vqa, "__file__", os.path.join(moved, "__init__.py"))
+    monkeypatch.setattr(
+        easy_vqa, "get_test_image_paths", lambda: {k: v.replace(package, moved) for k, v in paths.items()}
+    )
+    assert load_easy_vqa(["test"])["test"][0]["image"] == before.replace(package, moved)
+
+
 def test_preprocessing_is_cached_by_a_stable_fingerprint(corpus):
     """The same data, settings and (re-trained, identical) tokenizer give the same fingerprint, so the Arrow cache
     is reused; another image size gives another."""

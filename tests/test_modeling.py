@@ -62,6 +62,12 @@ def test_output_shapes(tester, fusion_type):
     assert out.image_hidden_state.shape == (B, num_patches, D)
     pooled = 3 * config.projection_dim if fusion_type == "late" else 2 * config.fusion_hidden_size
     assert out.pooler_output.shape == (B, pooled) and base.pooled_dim == pooled
+    if fusion_type != "late":  # the product joins the two pooled vectors
+        config.joint_pooling = "concat_product"
+        product = MMFusionModel(config).eval()(**inputs)
+        assert product.pooler_output.shape == (B, 3 * D)
+        text, image = product.text_pooled, product.image_pooled
+        torch.testing.assert_close(product.pooler_output, torch.cat([text, image, text * image], dim=-1))
     image_features = base.get_image_features(inputs["pixel_values"])
     assert image_features.pooler_output.shape == (B, config.projection_dim)
     assert image_features.last_hidden_state.shape == (B, num_patches, 32)

@@ -2,6 +2,7 @@
 
 import json
 import logging
+import os
 import time
 from pathlib import Path
 
@@ -53,6 +54,24 @@ def test_vqa_run_saves_a_loadable_model_with_its_card(train_script, tmp_path):
     logged = [h for h in state["log_history"] if "loss" in h]
     assert logged and all(h["samples_per_second"] > 0 and 0 <= h["data_wait_fraction"] < 1 for h in logged)
     assert all(h["peak_memory_gb"] > 0.1 for h in logged)
+    # The scheduled evaluation at the last step gives the final results; the same weights are not evaluated twice.
+    evals = [h for h in state["log_history"] if "eval_loss" in h]
+    assert [h["step"] for h in evals].count(state["global_step"]) == 1 and evals[-1]["step"] == state["global_step"]
+    assert results["eval_accuracy"] == evals[-1]["eval_accuracy"] and results["eval_loss"] == evals[-1]["eval_loss"]
+    served = train_script.build_trainer(
+        [
+            "--output_dir",
+            str(tmp_path / "again"),
+            "--model_name_or_path",
+            str(out),
+            "--max_train_samples",
+            "64",
+            "--max_eval_samples",
+            "40",
+            *TINY,
+        ]
+    )[0]
+    assert served.evaluate()["eval_accuracy"] == results["eval_accuracy"]  # the saved model scores what was reported
 
 
 def test_yaml_config_with_flag_overrides(train_script, tmp_path):
@@ -181,6 +200,47 @@ def test_accelerate_fsdp_config_without_gpu_is_refused(train_script, tmp_path, m
         run(train_script, tmp_path, samples=8)
 
 
+def test_cpu_threads_replace_only_accelerate_launch_default():
+    import psutil
+
+    from mm_fusion.training.arguments import cpu_threads
+
+    cores = psutil.cpu_count(logical=False)
+    launched = {"OMP_NUM_THREADS": "1", "ACCELERATE_DYNAMO_BACKEND": "NO"}  # what `accelerate launch` exports
+    assert cpu_threads(None, launched) == cores
+    assert cpu_threads(None, {**launched, "LOCAL_WORLD_SIZE": "2"}) == max(1, cores // 2)
+    assert cpu_threads(None, {"OMP_NUM_THREADS": "1"}) is None  # the user's (or torchrun's) choice
+    assert cpu_threads(None, {**launched, "OMP_NUM_THREADS": "3"}) is None  # --num_cpu_threads_per_process 3
+    assert cpu_threads(None, {}) is None
+    assert cpu_threads(1, launched) == 1
+    with pytest.raises(ValueError, match="--cpu_threads must be at least 1"):
+        cpu_threads(0, {})
+
+
+def test_plain_accelerate_launch_trains_on_every_core(tmp_path):
+    import subprocess
+    import sys
+
+    import psutil
+
+    # accelerate's own launcher, no config: it exports OMP_NUM_THREADS=1 to the process.
+    script = tmp_path / "threads.py"
+    script.write_text(
+        "import os, torch\n"
+        "from mm_fusion.training import MMFusionTrainingArguments\n"
+        "print('env', os.environ['OMP_NUM_THREADS'], 'before', torch.get_num_threads())\n"
+        f"MMFusionTrainingArguments(output_dir={str(tmp_path)!r})\n"
+        "print('after', torch.get_num_threads())\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    accelerate = str(Path(sys.executable).with_name("accelerate"))
+    done = subprocess.run([accelerate, "launch", str(script)], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = dict(line.split(" ", 1) for line in done.stdout.splitlines() if line.startswith(("env", "after")))
+    assert lines["env"] == "1 before 1"
+    assert lines["after"] == str(psutil.cpu_count(logical=False))
+
+
 def test_shipped_accelerate_configs_parse():
     from accelerate.commands.config.config_args import load_config_from_file
 
@@ -194,7 +254,7 @@ def test_shipped_training_config_parses_to_the_benchmarked_recipe(train_script):
     # An unknown key in a shipped config would fail here (HfArgumentParser rejects it), not after a user's install.
     model_args, data_args, training_args = train_script.parse_args([str(ROOT / "scripts/configs/easy_vqa_full.yaml")])
     assert (model_args.fusion_type, model_args.dropout, data_args.augment) == ("hierarchical", 0.0, False)
-    assert training_args.num_train_epochs == 24 and training_args.output_dir == "outputs/easy_vqa_full"
+    assert training_args.num_train_epochs == 14 and training_args.output_dir == "outputs/easy_vqa_full"
 
 
 def test_image_grouped_sampler_keeps_images_together():
@@ -333,6 +393,12 @@ def test_flops_count_images_and_texts(tester):
     assert flops > text_only  # the default count sees only text tokens; the 225 patches per image dominate here
     shared = {**inputs, "pixel_values": inputs["pixel_values"][:1]}
     assert model.floating_point_ops(shared) < flops  # one image encoded once costs less than three
+    # The parameter counts are cached per model size: a resized vocabulary is counted anew.
+    with_embeddings = model.floating_point_ops(inputs, exclude_embeddings=False)
+    model.resize_token_embeddings(model.config.text_config.vocab_size + 64)
+    assert model.floating_point_ops(inputs) == flops
+    grown = 6 * 64 * model.config.text_config.hidden_size * int(inputs["attention_mask"].sum())
+    assert model.floating_point_ops(inputs, exclude_embeddings=False) == with_embeddings + grown
 
 
 @pytest.mark.parametrize("script", sorted(p.name for p in (ROOT / "scripts").glob("*.py")))

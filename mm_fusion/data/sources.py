@@ -30,16 +30,21 @@ def load_easy_vqa(splits: Sequence[str] = ("train", "test")) -> DatasetDict:
         }
     )
     # Built by a generator so the splits are written to the Arrow cache: later `map` calls are then cached by
-    # fingerprint and reused across runs.
+    # fingerprint and reused across runs. The cache is keyed on the generator's arguments, so the package's location
+    # is one: the rows hold absolute paths, and a cache written by an install elsewhere (another virtual environment)
+    # would point at files that are gone.
+    package = os.path.dirname(os.path.abspath(easy_vqa.__file__))
     return DatasetDict(
         {
-            split: Dataset.from_generator(_easy_vqa_rows, features=features, gen_kwargs={"split": split})
+            split: Dataset.from_generator(
+                _easy_vqa_rows, features=features, gen_kwargs={"split": split, "package": package}
+            )
             for split in splits
         }
     )
 
 
-def _easy_vqa_rows(split: str):
+def _easy_vqa_rows(split: str, package: str):
     """Rows of one easy-VQA split, one per question; answers as strings, encoded by the `ClassLabel` feature."""
     import easy_vqa
 

@@ -168,7 +168,7 @@ def build_config(
     tower = dict(
         hidden_size=h,
         num_attention_heads=model_args.num_attention_heads,
-        intermediate_size=4 * h,
+        intermediate_size=model_args.mlp_ratio * h,
         hidden_dropout_prob=p,
         attention_probs_dropout_prob=0.0,
     )
@@ -187,6 +187,8 @@ def build_config(
         fusion_type=model_args.fusion_type,
         fusion_direction=model_args.fusion_direction,
         num_fusion_layers=model_args.fusion_layers,
+        fusion_intermediate_size=model_args.mlp_ratio * h,
+        joint_pooling=model_args.joint_pooling,
         fusion_dropout=p,
         classifier_dropout=p,
         projection_dim=h,

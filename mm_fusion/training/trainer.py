@@ -98,13 +98,17 @@ class MMFusionTrainer(Trainer):
     def _get_train_sampler(self, train_dataset=None):
         dataset = train_dataset if train_dataset is not None else self.train_dataset
         seed = self.args.data_seed or self.args.seed
+
+        def column(name):  # read at once: iterating `dataset[name]` formats row by row (~0.9 s for easy-VQA)
+            return dataset.with_format("numpy", columns=[name])[:][name].tolist()
+
         if getattr(self.args, "group_by_image", False):
             group_size = getattr(self.args, "image_group_size", None)
-            return MMFusionImageGroupedSampler(dataset["image_index"], seed=seed, group_size=group_size)
+            return MMFusionImageGroupedSampler(column("image_index"), seed=seed, group_size=group_size)
         length_column = self.args.length_column_name
         if self.args.train_sampling_strategy == "group_by_length" and length_column in dataset.column_names:
             batch_size = self.args.train_batch_size * self.args.gradient_accumulation_steps
-            return MMFusionLengthGroupedSampler(batch_size, dataset[length_column], seed=seed)
+            return MMFusionLengthGroupedSampler(batch_size, column(length_column), seed=seed)
         return super()._get_train_sampler(train_dataset)
 
     def _is_pretraining(self, model) -> bool:

@@ -1,0 +1,997 @@
+"""
+How the training cost of mm_fusion grows with the work, in three tables, each from one run on one machine.
+
+1. Training samples/s of the default model (the one `scripts/train.py` builds with no arguments) as the work grows:
+   image size 64 / 128 / 224 px at 16 text tokens (patch size fixed at the default 8, so 64 -> 256 -> 784 patches,
+   + 1 class token), and text length 16 / 64 / 256 tokens at 64 px. The model is
+   `MMFusionForImageTextClassification(build_config(ModelArguments(), image_size, vocab_size, max_length, labels))`
+   with the 13 easy-VQA answers and the vocabulary size of the tokenizer `scripts/train.py` trains on the easy-VQA
+   training questions (`train_tokenizer(questions, vocab_size=ModelArguments().vocab_size)`: 74 tokens, far below the
+   8000 upper bound), and `max_length` = max(`DataArguments().max_length`, text length) (the BERT position table must
+   hold the longest texts; it is not compute). One optimizer step is what `Trainer` does at its core: forward with
+   labels, backward, `torch.optim.AdamW` step (the recipe's learning rate and weight decay, read from
+   `MMFusionTrainingArguments`' defaults), `zero_grad(set_to_none=True)`; no gradient clipping, scheduler or data
+   loading. The batch is synthetic with the shape statistics of training: 64 texts per step sharing 7 images through
+   `image_index` (easy-VQA batches grouped by image carry ~7 images per 64 questions), uint8 pixel values
+   (normalised by the model), texts of exactly L random token ids with an all-ones attention mask, random answers;
+   one batch is made before the steps and reused (the cost does not depend on the values). Each setting trains in a
+   fresh process with the process's default torch threads: `warmup` untimed steps, then `steps` timed ones; samples/s
+   = 64 / the median step time; the step is split into forward / backward / optimizer; peak memory is the process's
+   peak RSS at the end (`ru_maxrss`, see "Processes" for what it counts; on a GPU `torch.cuda.max_memory_allocated`).
+   The default numbers of timed steps are 10, fewer for slow settings (by the built-in estimate, at least 5).
+   easy-VQA questions are 7-12 tokens (a median of 9) and batches are padded to their longest text, so 64 px at 16
+   tokens is close to real training.
+2. Preprocessing images/s of `prepare_dataset` on all of easy-VQA (`mm_fusion.data.load_easy_vqa()`: 5,000
+   distinct images, 48,248 questions) at 64 px with `num_proc` 1 and 2, called as `scripts/train.py` calls it (same
+   columns, `max_length`, `on_bad_sample`), each trial in a fresh process with an EMPTY datasets cache
+   (`HF_DATASETS_CACHE` set to a new temporary directory): images/s = distinct images / the wall time of the
+   `prepare_dataset` call, which covers the validation and decode + resize of every image, the tokenisation of every
+   question and writing both to the Arrow cache (loading easy-VQA, timed apart, is not included).
+3. Fusion attention: SDPA against `nn.MultiheadAttention`. One text stream block of the default fusion layer (text
+   self-attention, text-to-image cross-attention and the MLP, width 128, 4 heads, pre-LayerNorm, as
+   `MMFusionStreamBlock`) taken from the default model built as in table 1 (`attn_implementation` "sdpa", what the
+   model picks by default, or "eager" through `_from_config(config, attn_implementation="eager")`), against the
+   same block built the seed way: `nn.MultiheadAttention(128, 4, batch_first=True)` for both attentions, called as
+   `attn(q, k, v)` (so with the default `need_weights=True`), each sub-layer with a residual and a LayerNorm after
+   (`benchmark_training_step.SeedFusionLayer`). The parameter counts are printed and must agree within 1%. Input:
+   64 texts of T tokens (64 / 128 / 512) attending to 65 image tokens (the default 64 px image: 64 patches + class
+   token), one image row per text (the optional contender `sdpa_shared` passes 7 images and `image_index` as training
+   does), an all-ones text mask passed to the self-attention (the model always passes the attention mask), inputs
+   that require grad, training mode (dropout 0.1). A timed iteration is forward, `out.pow(2).mean()`, backward and
+   `zero_grad`; `warmup` untimed iterations, then the median of `iterations` timed ones (by default 10, fewer at
+   T = 512, at least 5, the same for every block). Memory: each setting runs in a fresh process; on CPU the peak
+   RSS growth is the process's high-water mark (`VmHWM`, reset through `/proc/self/clear_refs` just before the
+   block; without that reset the lifetime peak `ru_maxrss`, which the JSON notes) minus its RSS (`VmRSS`) measured
+   just before the first iteration, once the block and its inputs exist; on a GPU it is
+   `torch.cuda.max_memory_allocated` (peak stats reset there) minus `memory_allocated` at that point.
+   The table gives the growth by the end of the first (warm-up) iteration, the working memory of one forward +
+   backward, and by the end of all iterations, which adds what the allocator kept and fragmented between them.
+
+Rounds. Each table's settings (or contenders) run `--rounds` times; the trials go round by round (every round covers
+every table and setting) and their order rotates from round to round; the tables give medians with min-max over the
+rounds.
+
+Processes. Every trial is a fresh process, with the default torch threads of the environment it is started in.
+Importing torch, transformers and mm_fusion takes ~6-8 s per new interpreter on the 2-core development machine
+while it is busy, which would be most of the run, so the training and attention trials are children forked from a
+server process that has done those imports once and nothing else (no torch operation, no thread pool, no GPU):
+each child has its own memory, peak RSS, allocator and thread pool. A forked child's RSS counts the shared
+libraries' file pages only where the child touches them, so its peak RSS is ~350 MiB below that of a new
+interpreter doing the same; `--fresh_interpreter True` starts every trial as a new interpreter instead. The
+preprocessing trials always start a new interpreter (`HF_DATASETS_CACHE` must be set before `datasets` is imported).
+
+    python scripts/benchmark_costs.py   # the full run: 48 trials, about 8 minutes on 2 cores (estimate printed)
+    python scripts/benchmark_costs.py --rounds 1 --image_sizes 64 --text_lengths 16 --steps 3 --num_proc 1 \
+        --attention_lengths 64 --iterations 3   # a quick look, under a minute
+
+The estimate printed first comes from times measured with 1 torch thread on the development machine while it was
+busy with other work (`*_S` below), so it is an upper bound there; after each trial the time left is re-estimated
+from the trials so far.
+
+Writes scripts/results/benchmark_costs.{json,md} and prints the Markdown tables.
+"""
+
+import gc
+import importlib.util
+import json
+import os
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from transformers import HfArgumentParser
+
+
+SCRIPTS = Path(__file__).resolve().parent
+
+
+def _load_script(name: str):
+    """A module of `scripts/NAME.py` (the scripts are not a package)."""
+    spec = importlib.util.spec_from_file_location(f"mm_fusion_{name}_script", SCRIPTS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# The sibling benchmark: the recipe, the default model's config, the seed-style fusion layer, the machine line, the
+# peak memory; and through it the data benchmark's table helpers.
+benchmark_training_step = _load_script("benchmark_training_step")
+_summary, _fmt = benchmark_training_step._summary, benchmark_training_step._fmt
+recipe, build_fusion_config, machine = (
+    benchmark_training_step.recipe,
+    benchmark_training_step.build_fusion_config,
+    benchmark_training_step.machine,
+)
+
+TABLES = ("training", "preprocessing", "attention")
+ATTENTION_CONTENDERS = ("sdpa", "eager", "multihead_attention", "sdpa_shared")
+IMAGES_PER_STEP = 7  # easy-VQA batches of 64 questions grouped by image carry ~7 images
+STEP_PARTS = ("forward", "backward", "optimizer")
+PREPROCESSING_IMAGE_SIZE = 64
+ATTENTION_IMAGE_SIZE = 64  # the default image: 64 patches + class token
+# Seconds measured on the 2-core development machine with 1 torch thread while it was busy with other work: for the
+# duration estimate (an upper bound there) and for the default numbers of timed steps / iterations.
+STARTUP_S = {"training": 1.5, "preprocessing": 9.0, "attention": 1.0}  # a trial's start (preprocessing: with imports)
+IMPORT_S = 7.5  # the imports of a new interpreter: once for the fork server, or per trial with --fresh_interpreter
+TRAIN_STEP_S = {(64, 16): 0.24, (128, 16): 0.32, (224, 16): 1.0, (64, 64): 0.51, (64, 256): 2.3}
+TRAIN_STEP_FIT = (0.15, 1.3e-4, 1.7e-4)  # other settings: a + b * text tokens + c * image tokens per step
+PREPROCESS_S = {1: 5.5, 2: 4.5}  # load_easy_vqa + prepare_dataset on all of easy-VQA at 64 px, by num_proc
+ATTENTION_ITERATION_S = 7.0e-8  # one forward + backward ~ this * texts * T * (T + 65 + 4 * 128)
+STEP_BUDGET_S, ITERATION_BUDGET_S = 6.0, 4.0  # default timed steps / iterations: about this long, 5 to 10
+
+
+@dataclass
+class BenchmarkArguments:
+    tables: list[str] = field(default_factory=lambda: list(TABLES), metadata={"help": "Tables to measure."})
+    rounds: int = field(default=3, metadata={"help": "Interleaved rounds (one trial per setting of each table)."})
+    # Table 1.
+    image_sizes: list[int] = field(
+        default_factory=lambda: [64, 128, 224], metadata={"help": "Training: image sizes (at --base_text_length)."}
+    )
+    text_lengths: list[int] = field(
+        default_factory=lambda: [16, 64, 256],
+        metadata={"help": "Training: text lengths in tokens (at --base_image_size)."},
+    )
+    base_text_length: int = field(default=16, metadata={"help": "Training: text length of the image-size sweep."})
+    base_image_size: int = field(default=64, metadata={"help": "Training: image size of the text-length sweep."})
+    texts_per_step: int = field(default=64, metadata={"help": "Training: texts (samples) per optimizer step."})
+    images_per_step: int = field(
+        default=IMAGES_PER_STEP, metadata={"help": "Training: distinct images per step, shared via image_index."}
+    )
+    warmup: int = field(default=2, metadata={"help": "Training: untimed optimizer steps per trial."})
+    steps: int | None = field(
+        default=None,
+        metadata={
+            "help": "Training: timed optimizer steps per trial (default: 10, fewer where a step is slow: as many as "
+            f"take ~{STEP_BUDGET_S:g} s by the built-in estimate, at least 5)."
+        },
+    )
+    # Table 2.
+    num_proc: list[int] = field(default_factory=lambda: [1, 2], metadata={"help": "Preprocessing: num_proc values."})
+    # Table 3.
+    attention_lengths: list[int] = field(
+        default_factory=lambda: [64, 128, 512], metadata={"help": "Attention: text lengths in tokens."}
+    )
+    attention_contenders: list[str] = field(
+        default_factory=lambda: ["sdpa", "eager", "multihead_attention"],
+        metadata={"help": f"Attention: blocks to compare, from {', '.join(ATTENTION_CONTENDERS)}."},
+    )
+    attention_texts: int = field(default=64, metadata={"help": "Attention: texts per batch."})
+    attention_warmup: int = field(default=1, metadata={"help": "Attention: untimed iterations per trial."})
+    iterations: int | None = field(
+        default=None,
+        metadata={
+            "help": "Attention: timed forward + backward iterations per trial (default: 10, fewer at long texts: as "
+            f"many as take ~{ITERATION_BUDGET_S:g} s by the built-in estimate, at least 5; the same for every block)."
+        },
+    )
+    seed: int = field(default=0, metadata={"help": "Seed of the synthetic inputs and of the models' weights."})
+    fresh_interpreter: bool = field(
+        default=False,
+        metadata={
+            "help": "Start every training / attention trial as a new Python interpreter (~5-8 s more per trial "
+            "here) instead of forking it from a server that has imported torch, transformers and mm_fusion once."
+        },
+    )
+    output: str = field(
+        default=str(SCRIPTS / "results" / "benchmark_costs"), metadata={"help": "Writes OUTPUT.json and OUTPUT.md."}
+    )
+
+
+def training_settings(args: BenchmarkArguments) -> list[tuple[int, int]]:
+    """(image size, text length) pairs: the image-size sweep, then the text-length sweep (the shared one once)."""
+    settings = [(size, args.base_text_length) for size in args.image_sizes]
+    settings += [(args.base_image_size, length) for length in args.text_lengths]
+    return list(dict.fromkeys(settings))
+
+
+def _rotated(items: list, r: int) -> list:
+    k = r % len(items) if items else 0
+    return items[k:] + items[:k]
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Table 1: training steps of the default model.
+
+
+def training_batch(
+    texts: int, images: int, image_size: int, length: int, vocab_size: int, num_labels: int, seed: int
+) -> dict[str, torch.Tensor]:
+    """A synthetic batch shaped like training's: `texts` texts of `length` ids sharing `images` uint8 images."""
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "pixel_values": torch.randint(0, 256, (images, 3, image_size, image_size), generator=g, dtype=torch.uint8),
+        "input_ids": torch.randint(0, vocab_size, (texts, length), generator=g),
+        "attention_mask": torch.ones(texts, length, dtype=torch.long),
+        "image_index": torch.arange(texts) * images // texts,  # consecutive texts share an image, as when grouped
+        "labels": torch.randint(0, num_labels, (texts,), generator=g),
+    }
+
+
+def run_training_trial(payload: dict) -> dict:
+    """One setting of table 1 in this process: `warmup` + `steps` optimizer steps of the default model."""
+    from transformers import set_seed
+
+    from mm_fusion import MMFusionForImageTextClassification
+
+    rec, size, length = payload["recipe"], payload["image_size"], payload["text_length"]
+    set_seed(payload["seed"])
+    device = _device()
+    config = build_fusion_config(size, payload["vocab_size"], max(rec["max_length"], length), payload["labels"], None)
+    config.problem_type = "single_label_classification"  # as scripts/train.py sets it
+    model = MMFusionForImageTextClassification(config).to(device).train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=rec["learning_rate"], weight_decay=rec["weight_decay"])
+    texts, images, vocab_size = payload["texts"], payload["images"], payload["vocab_size"]
+    batch = training_batch(texts, images, size, length, vocab_size, len(payload["labels"]), payload["seed"])
+    batch = {k: v.to(device) for k, v in batch.items()}
+    steps = []
+    for _ in range(payload["warmup"] + payload["steps"]):
+        _sync()
+        start = time.perf_counter()
+        loss = model(**batch).loss
+        _sync()
+        forward = time.perf_counter()
+        loss.backward()
+        _sync()
+        backward = time.perf_counter()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        _sync()
+        end = time.perf_counter()
+        steps.append({"forward": forward - start, "backward": backward - forward, "optimizer": end - backward})
+    peak = benchmark_training_step._peak_memory_mib()
+    timed = steps[payload["warmup"] :]
+    totals = [sum(s.values()) for s in timed]
+    median_step = statistics.median(totals)
+    vision = config.vision_config
+    return {
+        "image_size": size,
+        "text_length": length,
+        "round": payload["round"],
+        "warmup_steps": payload["warmup"],
+        "timed_steps": payload["steps"],
+        "patches": (size // vision.patch_size) ** 2,
+        "image_tokens": (size // vision.patch_size) ** 2 + 1,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "attn_implementation": config._attn_implementation,
+        "model": {
+            "fusion_type": config.fusion_type,
+            "fusion_direction": config.fusion_direction,
+            **benchmark_training_step._towers(config),
+        },
+        "torch_threads": torch.get_num_threads(),
+        "step_s": [sum(s.values()) for s in steps],
+        "median_step_s": median_step,
+        "samples_per_s": texts / median_step,
+        "split": {p: sum(s[p] for s in timed) / sum(totals) for p in STEP_PARTS},
+        "peak_memory_mib": peak,
+        "final_loss": float(loss.detach()),
+        "labels": payload["labels"],
+    }
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Table 2: preprocessing.
+
+
+def run_preprocessing_trial(payload: dict) -> dict:
+    """One `prepare_dataset` call on all of easy-VQA in this process, whose datasets cache starts empty."""
+    from transformers import AutoTokenizer
+
+    from mm_fusion.data import load_easy_vqa, prepare_dataset
+
+    cache = os.environ["HF_DATASETS_CACHE"]
+    empty = not any(Path(cache).iterdir())
+    tokenizer = AutoTokenizer.from_pretrained(payload["tokenizer"])
+    start = time.perf_counter()
+    data = load_easy_vqa()
+    loaded = time.perf_counter()
+    prepared = prepare_dataset(
+        data,
+        tokenizer,
+        image_column="image",
+        text_column="question",
+        id_column="id",
+        label_column="answer",
+        image_size=payload["image_size"],
+        max_length=payload["max_length"],
+        on_bad_sample=payload["on_bad_sample"],
+        num_proc=payload["num_proc"],
+    )
+    prepare_s = time.perf_counter() - loaded
+    images, pairs = len(prepared.images), sum(len(p) for p in prepared.pairs.values())
+    return {
+        "num_proc": payload["num_proc"],
+        "round": payload["round"],
+        "image_size": payload["image_size"],
+        "cache_was_empty": empty,
+        "load_s": loaded - start,
+        "prepare_s": prepare_s,
+        "images": images,
+        "pairs": pairs,
+        "images_per_s": images / prepare_s,
+        "pairs_per_s": pairs / prepare_s,
+        "peak_memory_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    }
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Table 3: one fusion block, SDPA against nn.MultiheadAttention.
+
+
+def attention_block(contender: str, config) -> torch.nn.Module:
+    """The text stream block of the default model's first fusion layer, or the seed-style equivalent."""
+    from mm_fusion import MMFusionForImageTextClassification
+
+    if contender == "multihead_attention":
+        return benchmark_training_step.SeedFusionLayer(
+            config.fusion_hidden_size,
+            config.fusion_num_attention_heads,
+            config.fusion_intermediate_size,
+            config.fusion_dropout,
+        )
+    if contender == "eager":
+        model = MMFusionForImageTextClassification._from_config(config, attn_implementation="eager")
+    else:  # the model as built for training: it picks sdpa
+        model = MMFusionForImageTextClassification(config)
+    return model.mm_fusion.encoder.layers[0].text_block
+
+
+def block_parameters(config) -> dict[str, int]:
+    """Parameters of our fusion block and of the seed-style one."""
+    ours = attention_block("sdpa", config)
+    seed = attention_block("multihead_attention", config)
+    return {"mm_fusion": sum(p.numel() for p in ours.parameters()), "seed": sum(p.numel() for p in seed.parameters())}
+
+
+def _proc_status_kib(key: str) -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+def _reset_peak_rss() -> bool:
+    """Reset this process's RSS high-water mark (Linux: `echo 5 > /proc/self/clear_refs`); False if not possible."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+class PeakMemory:
+    """Growth of peak memory over the memory in use when entered: RSS on CPU, allocated memory on a GPU."""
+
+    def __enter__(self):
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self.baseline, self.method = torch.cuda.memory_allocated(), "torch.cuda.max_memory_allocated"
+        else:
+            rss = _proc_status_kib("VmRSS")
+            reset = _reset_peak_rss()
+            self.method = "VmHWM (reset) - VmRSS" if reset and rss is not None else "ru_maxrss - VmRSS (no reset)"
+            self.baseline = (rss or 0) * 1024
+        return self
+
+    def growth_mib(self) -> float:
+        """Peak memory so far over the baseline, in MiB."""
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+            peak = torch.cuda.max_memory_allocated()
+        elif self.method.startswith("VmHWM"):
+            peak = _proc_status_kib("VmHWM") * 1024
+        else:
+            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        return (peak - self.baseline) / 2**20
+
+    def __exit__(self, *exc):
+        self.baseline_mib = self.baseline / 2**20
+
+
+def run_attention_trial(payload: dict) -> dict:
+    """One (contender, text length) of table 3 in this process: forward + backward of one fusion block."""
+    torch.manual_seed(payload["seed"])
+    device = _device()
+    contender, length, texts = payload["contender"], payload["text_length"], payload["texts"]
+    config = build_fusion_config(ATTENTION_IMAGE_SIZE, payload["vocab_size"], 64, payload["labels"], None)
+    block = attention_block(contender, config).to(device).train()
+    gc.collect()
+    hidden = config.fusion_hidden_size
+    image_tokens = (ATTENTION_IMAGE_SIZE // config.vision_config.patch_size) ** 2 + 1
+    shared = contender == "sdpa_shared"
+    images = IMAGES_PER_STEP if shared else texts
+    g = torch.Generator().manual_seed(payload["seed"])
+    text = torch.randn(texts, length, hidden, generator=g).to(device).requires_grad_()
+    image = torch.randn(images, image_tokens, hidden, generator=g).to(device).requires_grad_()
+    mask = torch.ones(texts, length, dtype=torch.long, device=device)
+    image_index = (torch.arange(texts) * images // texts).to(device) if shared else None
+
+    def forward() -> torch.Tensor:
+        if contender == "multihead_attention":
+            return block(text, image, mask == 0)
+        return block(text, image, mask, None, context_index=image_index)[0]
+
+    times, first_growth = [], None
+    with PeakMemory() as memory:
+        for i in range(payload["warmup"] + payload["iterations"]):
+            _sync()
+            start = time.perf_counter()
+            loss = forward().pow(2).mean()
+            _sync()
+            middle = time.perf_counter()
+            loss.backward()
+            block.zero_grad(set_to_none=True)
+            text.grad = image.grad = None
+            _sync()
+            times.append((middle - start, time.perf_counter() - middle))
+            if i == 0:
+                first_growth = memory.growth_mib()
+        growth = memory.growth_mib()
+    timed = times[payload["warmup"] :]
+    return {
+        "contender": contender,
+        "text_length": length,
+        "round": payload["round"],
+        "texts": texts,
+        "images": images,
+        "image_tokens": image_tokens,
+        "warmup_iterations": payload["warmup"],
+        "timed_iterations": payload["iterations"],
+        "hidden_size": hidden,
+        "heads": config.fusion_num_attention_heads,
+        "attn_implementation": getattr(getattr(block.self_attn, "config", None), "_attn_implementation", None),
+        "parameters": sum(p.numel() for p in block.parameters()),
+        "torch_threads": torch.get_num_threads(),
+        "median_s": statistics.median(f + b for f, b in timed),
+        "forward_s": statistics.median(f for f, _ in timed),
+        "backward_s": statistics.median(b for _, b in timed),
+        "iteration_s": [f + b for f, b in times],
+        "memory_growth_mib": growth,
+        "first_iteration_memory_growth_mib": first_growth,
+        "memory_baseline_mib": memory.baseline_mib,
+        "memory_method": memory.method,
+    }
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The run.
+
+
+WORKERS = {"training": run_training_trial, "preprocessing": run_preprocessing_trial, "attention": run_attention_trial}
+
+
+def _env(cache_dir: str) -> dict:
+    return {**os.environ, "HF_DATASETS_CACHE": cache_dir, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+
+
+def _subprocess(payload: dict, cache_dir: str, result_file: str) -> dict:
+    """Run one trial in a new Python interpreter (the parent's environment, thread settings included)."""
+    command = [sys.executable, os.path.abspath(__file__), "--_worker", json.dumps(payload), result_file]
+    run = subprocess.run(command, env=_env(cache_dir), capture_output=True, text=True)
+    if run.returncode != 0:
+        raise RuntimeError(f"{payload['table']} trial {payload} failed:\n{run.stderr[-4000:]}")
+    with open(result_file) as f:
+        return json.load(f)
+
+
+def _serve() -> None:
+    """
+    The fork server (`--_server`): import what the trials need once, then for each line `[payload, result_file]` on
+    stdin run the trial in a child forked for it (a fresh process: its own memory, peak RSS and torch thread pool,
+    which nothing here has started) and answer `{"exit_code": N}` on stdout. Nothing here runs a torch operation or
+    touches a GPU, so the children start clean.
+    """
+    from transformers import set_seed  # noqa: F401
+
+    import mm_fusion  # noqa: F401  (the imports, ~5 s of each new interpreter's start on the development machine)
+    import mm_fusion.training  # noqa: F401
+
+    protocol = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)  # whatever the server or its children print goes to the log, not into the answers
+    protocol.write(json.dumps({"ready": True}) + "\n")
+    protocol.flush()
+    for line in sys.stdin:
+        payload, result_file = json.loads(line)
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                with open(result_file, "w") as f:
+                    json.dump(WORKERS[payload["table"]](payload), f)
+                code = 0
+            except BaseException:
+                import traceback
+
+                traceback.print_exc()
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        protocol.write(json.dumps({"exit_code": os.waitstatus_to_exitcode(status)}) + "\n")
+        protocol.flush()
+
+
+class TrialRunner:
+    """
+    Runs each trial in a fresh process: a child forked from the fork server (`_serve`), or with `fresh_interpreter`
+    (or without `os.fork`) a new Python interpreter. Preprocessing trials always get a new interpreter, whose
+    `HF_DATASETS_CACHE` must be set before `datasets` is imported.
+    """
+
+    def __init__(self, work: str, shared_cache: str, fresh_interpreter: bool):
+        self.work, self.shared_cache, self.server = work, shared_cache, None
+        self.fork = not fresh_interpreter and hasattr(os, "fork")
+        self.log_path = os.path.join(work, "server.log")
+
+    def _answer(self, what: str) -> dict:
+        answer = self.server.stdout.readline()
+        if not answer:
+            self.log.flush()
+            with open(self.log_path) as f:
+                raise RuntimeError(f"The fork server ended during {what}:\n{f.read()[-4000:]}")
+        return json.loads(answer)
+
+    def _start(self) -> None:
+        """Start the server on first use, and wait until it is ready (its imports must not overlap a trial)."""
+        self.log = open(self.log_path, "w")
+        command = [sys.executable, os.path.abspath(__file__), "--_server"]
+        self.server = subprocess.Popen(
+            command,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            env=_env(self.shared_cache),
+            text=True,
+        )
+        self._answer("its start")
+
+    def run(self, payload: dict) -> dict:
+        result_file = os.path.join(tempfile.mkdtemp(dir=self.work), "trial.json")
+        if payload["table"] == "preprocessing":  # a new interpreter with an empty datasets cache
+            cache = tempfile.mkdtemp(dir=self.work)
+            try:
+                return _subprocess(payload, cache, result_file)
+            finally:
+                shutil.rmtree(cache, ignore_errors=True)
+        if not self.fork:
+            return _subprocess(payload, self.shared_cache, result_file)
+        if self.server is None:
+            self._start()
+        self.server.stdin.write(json.dumps([payload, result_file]) + "\n")
+        self.server.stdin.flush()
+        exit_code = self._answer(f"a {payload['table']} trial")["exit_code"]
+        if exit_code != 0:
+            self.log.flush()
+            with open(self.log_path) as f:
+                log = f.read()[-4000:]
+            raise RuntimeError(f"{payload['table']} trial {payload} failed (exit code {exit_code}):\n{log}")
+        with open(result_file) as f:
+            return json.load(f)
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.stdin.close()
+            try:
+                self.server.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.server.kill()
+            self.log.close()
+
+
+def expected_step_s(size: int, length: int, texts: int, images: int, patch_size: int) -> float:
+    """Rough seconds per training step (1 torch thread, busy 2-core machine): measured, or the linear fit."""
+    if (size, length) in TRAIN_STEP_S and (texts, images) == (64, IMAGES_PER_STEP):
+        return TRAIN_STEP_S[(size, length)]
+    a, b, c = TRAIN_STEP_FIT
+    return a + b * texts * length + c * images * ((size // patch_size) ** 2 + 1)
+
+
+def expected_iteration_s(length: int, texts: int) -> float:
+    """Rough seconds per forward + backward of one fusion block (1 torch thread, busy 2-core machine)."""
+    return ATTENTION_ITERATION_S * texts * length * (length + 65 + 4 * 128)
+
+
+def _count(given: int | None, budget: float, each: float, low: int) -> int:
+    """The number of timed repeats: as given, or 10 but no more than fit in `budget` seconds, at least `low`."""
+    return given if given is not None else max(low, min(10, round(budget / each)))
+
+
+def expected_s(payload: dict, fresh_interpreter: bool = False) -> float:
+    """Rough duration of one trial from `STARTUP_S` and the per-step, per-iteration and preprocessing times."""
+    table = payload["table"]
+    if fresh_interpreter and table != "preprocessing":
+        return IMPORT_S + expected_s(payload)
+    if table == "training":
+        step = expected_step_s(
+            payload["image_size"], payload["text_length"], payload["texts"], payload["images"], payload["patch_size"]
+        )
+        return STARTUP_S[table] + (payload["warmup"] + payload["steps"]) * step
+    if table == "preprocessing":
+        work = PREPROCESS_S.get(payload["num_proc"], PREPROCESS_S[2]) * (payload["image_size"] / 64) ** 2
+        return STARTUP_S[table] + work
+    iteration = expected_iteration_s(payload["text_length"], payload["texts"])
+    return STARTUP_S[table] + (payload["warmup"] + 0.5 + payload["iterations"]) * iteration  # + a slow first one
+
+
+def plan_trials(args: BenchmarkArguments, rec: dict, vocab_size: int, labels: list[str], tokenizer_dir: str):
+    """Round by round, every table and setting, the order of each table's settings rotating from round to round."""
+    from mm_fusion.training import ModelArguments
+
+    common = {"vocab_size": vocab_size, "labels": labels, "seed": args.seed}
+    patch_size = ModelArguments().patch_size
+    steps = {
+        (size, length): _count(
+            args.steps,
+            STEP_BUDGET_S,
+            expected_step_s(size, length, args.texts_per_step, args.images_per_step, patch_size),
+            5,
+        )
+        for size, length in training_settings(args)
+    }
+    iterations = {
+        length: _count(args.iterations, ITERATION_BUDGET_S, expected_iteration_s(length, args.attention_texts), 5)
+        for length in args.attention_lengths
+    }
+    plan = []
+    for r in range(args.rounds):
+        if "training" in args.tables:
+            for size, length in _rotated(training_settings(args), r):
+                plan.append(
+                    {
+                        "table": "training",
+                        "round": r,
+                        "image_size": size,
+                        "text_length": length,
+                        "texts": args.texts_per_step,
+                        "images": args.images_per_step,
+                        "warmup": args.warmup,
+                        "steps": steps[(size, length)],
+                        "recipe": rec,
+                        "patch_size": patch_size,
+                        **common,
+                    }
+                )
+        if "preprocessing" in args.tables:
+            for num_proc in _rotated(list(args.num_proc), r):
+                plan.append(
+                    {
+                        "table": "preprocessing",
+                        "round": r,
+                        "num_proc": num_proc,
+                        "image_size": PREPROCESSING_IMAGE_SIZE,
+                        "max_length": rec["max_length"],
+                        "on_bad_sample": "skip",
+                        "tokenizer": tokenizer_dir,
+                    }
+                )
+        if "attention" in args.tables:
+            settings = [(c, t) for t in args.attention_lengths for c in args.attention_contenders]
+            for contender, length in _rotated(settings, r):
+                plan.append(
+                    {
+                        "table": "attention",
+                        "round": r,
+                        "contender": contender,
+                        "text_length": length,
+                        "texts": args.attention_texts,
+                        "warmup": args.attention_warmup,
+                        "iterations": iterations[length],
+                        **common,
+                    }
+                )
+    return plan
+
+
+def summarise(trials: list[dict], args: BenchmarkArguments) -> dict:
+    tables = {}
+    training = [t for t in trials if t["table"] == "training"]
+    if training:
+        rows = []
+        settings = training_settings(args)
+        base = [t for t in training if (t["image_size"], t["text_length"]) == settings[0]]
+        base_step = statistics.median(t["median_step_s"] for t in base)
+        for size, length in settings:
+            mine = [t for t in training if t["image_size"] == size and t["text_length"] == length]
+            step = statistics.median(t["median_step_s"] for t in mine)
+            rows.append(
+                {
+                    "image_size": size,
+                    "text_length": length,
+                    "patches": mine[0]["patches"],
+                    "text_tokens_per_step": args.texts_per_step * length,
+                    "image_tokens_per_step": args.images_per_step * mine[0]["image_tokens"],
+                    "parameters": mine[0]["parameters"],
+                    "timed_steps": mine[0]["timed_steps"],
+                    "samples_per_s": _summary([t["samples_per_s"] for t in mine]),
+                    "step_ms": _summary([1000 * t["median_step_s"] for t in mine]),
+                    "relative_step_time": step / base_step,
+                    "split": {p: statistics.median(t["split"][p] for t in mine) for p in STEP_PARTS},
+                    "peak_memory_mib": _summary([t["peak_memory_mib"] for t in mine]),
+                }
+            )
+        tables["training"] = rows
+        tables["training_model"], tables["training_labels"] = training[0]["model"], training[0]["labels"]
+    preprocessing = [t for t in trials if t["table"] == "preprocessing"]
+    if preprocessing:
+        rows = []
+        for num_proc in args.num_proc:
+            mine = [t for t in preprocessing if t["num_proc"] == num_proc]
+            rows.append(
+                {
+                    "num_proc": num_proc,
+                    "images": mine[0]["images"],
+                    "pairs": mine[0]["pairs"],
+                    "images_per_s": _summary([t["images_per_s"] for t in mine]),
+                    "pairs_per_s": _summary([t["pairs_per_s"] for t in mine]),
+                    "prepare_s": _summary([t["prepare_s"] for t in mine]),
+                    "load_s": _summary([t["load_s"] for t in mine]),
+                    "peak_memory_mib": _summary([t["peak_memory_mib"] for t in mine]),
+                    "cache_was_empty": all(t["cache_was_empty"] for t in mine),
+                }
+            )
+        tables["preprocessing"] = rows
+    attention = [t for t in trials if t["table"] == "attention"]
+    if attention:
+        rows = []
+        for length in args.attention_lengths:
+            reference = [t["median_s"] for t in attention if t["text_length"] == length and t["contender"] == "sdpa"]
+            for contender in args.attention_contenders:
+                mine = [t for t in attention if t["text_length"] == length and t["contender"] == contender]
+                median = statistics.median(t["median_s"] for t in mine)
+                rows.append(
+                    {
+                        "text_length": length,
+                        "contender": contender,
+                        "parameters": mine[0]["parameters"],
+                        "images": mine[0]["images"],
+                        "timed_iterations": mine[0]["timed_iterations"],
+                        "forward_backward_ms": _summary([1000 * t["median_s"] for t in mine]),
+                        "forward_ms": _summary([1000 * t["forward_s"] for t in mine]),
+                        "backward_ms": _summary([1000 * t["backward_s"] for t in mine]),
+                        "memory_growth_mib": _summary([t["memory_growth_mib"] for t in mine]),
+                        "first_iteration_memory_growth_mib": _summary(
+                            [t["first_iteration_memory_growth_mib"] for t in mine]
+                        ),
+                        "time_vs_sdpa": median / statistics.median(reference) if reference else None,
+                        "memory_method": sorted({t["memory_method"] for t in mine}),
+                    }
+                )
+        tables["attention"] = rows
+    return tables
+
+
+CONTENDER_NAMES = {
+    "sdpa": "mm_fusion block, sdpa (as it runs)",
+    "eager": "mm_fusion block, eager",
+    "multihead_attention": "nn.MultiheadAttention block (seed style)",
+    "sdpa_shared": "mm_fusion block, sdpa, 7 shared images",
+}
+
+
+def markdown(tables: dict, args: BenchmarkArguments, info: dict, rec: dict, vocab_size: int, blocks: dict) -> str:
+    device = f"GPU {info['gpu']}" if info["gpu"] else "no GPU"
+    threads = "/".join(map(str, info["trial_torch_threads"])) or "–"
+    processes = (
+        "a new interpreter each"
+        if args.fresh_interpreter
+        else "training and attention trials forked from a server that did the imports once, preprocessing trials "
+        "new interpreters"
+    )
+    lines = [
+        f"Machine: {info['cores']} cores ({info['cpu']}), {device}, torch {info['torch']}, transformers "
+        f"{info['transformers']}; torch threads in the trials (their default): {threads}. Every trial in a fresh "
+        f"process ({processes}); {args.rounds} interleaved rounds; medians (min–max over rounds).",
+    ]
+    if "training" in tables:
+        memory = (
+            "peak `torch.cuda.max_memory_allocated`"
+            if info["gpu"]
+            else "peak RSS of the trial process"
+            + (" (a new interpreter)" if args.fresh_interpreter else " (forked from the import server)")
+        )
+        rows = tables["training"]
+        model, labels = tables["training_model"], tables["training_labels"]
+        v, t = model["vision"], model["text"]
+        lines += [
+            "",
+            f"**1. Training cost of the default model** (`scripts/train.py` with no arguments: {model['fusion_type']} "
+            f"fusion ({model['fusion_direction']}), hidden {v['hidden_size']}, {v['num_attention_heads']} heads, "
+            f"{v['num_hidden_layers']} vision + {t['num_hidden_layers']} text + {model['fusion_layers']} fusion "
+            f"layers, patch {v['patch_size']}, vocabulary {vocab_size} (the tokenizer trained on the easy-VQA "
+            f"questions), {len(labels)} answers, {rows[0]['parameters'] / 1e6:.2f}M parameters at "
+            f"{rows[0]['image_size']} px; fp32). One optimizer step = forward with "
+            f"labels + backward + `torch.optim.AdamW` step (lr {rec['learning_rate']:g}, weight decay "
+            f"{rec['weight_decay']:g}) + `zero_grad`, on synthetic batches of {args.texts_per_step} texts of exactly "
+            f"L tokens (all-ones mask) sharing {args.images_per_step} uint8 images through `image_index`; "
+            f"{args.warmup} warm-up + the timed steps of the table per trial; samples/s = {args.texts_per_step} / "
+            f"median step time; memory: {memory}. Image-size sweep at {args.base_text_length} tokens, text-length "
+            f"sweep at {args.base_image_size} px; image tokens are the patches + 1 class token.",
+            "",
+            "| image px | patches | text tokens | tokens per step (text + image) | timed steps | samples/s "
+            "| step (ms) | step time vs first row | forward / backward / optimizer | peak memory (MiB) |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for r in rows:
+            split = " / ".join(f"{r['split'][p]:.0%}" for p in STEP_PARTS)
+            lines.append(
+                f"| {r['image_size']} | {r['patches']} | {r['text_length']} | {r['text_tokens_per_step']:,} + "
+                f"{r['image_tokens_per_step']:,} | {r['timed_steps']} | {_fmt(r['samples_per_s'])} "
+                f"| {_fmt(r['step_ms'])} | {r['relative_step_time']:.2f}x | {split} | {_fmt(r['peak_memory_mib'])} |"
+            )
+    if "preprocessing" in tables:
+        rows = tables["preprocessing"]
+        lines += [
+            "",
+            f"**2. Preprocessing: `prepare_dataset` on all of easy-VQA** ({rows[0]['images']:,} distinct images, "
+            f"{rows[0]['pairs']:,} questions) at {PREPROCESSING_IMAGE_SIZE} px, as `scripts/train.py` calls it, "
+            "in a fresh process with an empty datasets cache each time. The time covers validation, decode + resize "
+            "of every image, tokenisation of every question, and writing both to the Arrow cache (loading easy-VQA "
+            "is timed apart). images/s = distinct images / time of `prepare_dataset`.",
+            "",
+            "| num_proc | images/s | questions/s | prepare_dataset (s) | loading easy-VQA (s) | peak RSS (MiB) |",
+            "|---|---|---|---|---|---|",
+        ]
+        for r in rows:
+            lines.append(
+                f"| {r['num_proc']} | {_fmt(r['images_per_s'])} | {_fmt(r['pairs_per_s'])} "
+                f"| {_fmt(r['prepare_s'], 2)} | {_fmt(r['load_s'], 2)} | {_fmt(r['peak_memory_mib'])} |"
+            )
+    if "attention" in tables:
+        memory = (
+            "`torch.cuda.max_memory_allocated` minus the memory allocated just before"
+            if info["gpu"]
+            else "peak RSS (VmHWM, reset just before) minus the RSS just before the first iteration"
+        )
+        counts = f"mm_fusion {blocks['mm_fusion']:,}, nn.MultiheadAttention {blocks['seed']:,}"
+        lines += [
+            "",
+            f"**3. One fusion block: SDPA against `nn.MultiheadAttention`.** Text self-attention + text-to-image "
+            f"cross-attention + MLP, width 128, 4 heads, {args.attention_texts} texts of T tokens attending to 65 "
+            "image tokens (64 px image: 64 patches + class token), one image per text unless said, all-ones text "
+            f"mask, training mode, fp32. Parameters: {counts}. {args.attention_warmup} warm-up + the timed "
+            f"iterations of the table (forward + `pow(2).mean()` + backward) per trial; memory: {memory}.",
+            "",
+            "| T | block | timed iterations | forward + backward (ms) | forward (ms) | backward (ms) | time vs sdpa "
+            "| peak memory growth, first iteration (MiB) | peak memory growth, all iterations (MiB) |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        for r in tables["attention"]:
+            ratio = f"{r['time_vs_sdpa']:.2f}x" if r["time_vs_sdpa"] is not None else "–"
+            lines.append(
+                f"| {r['text_length']} | {CONTENDER_NAMES[r['contender']]} | {r['timed_iterations']} "
+                f"| {_fmt(r['forward_backward_ms'], 1)} "
+                f"| {_fmt(r['forward_ms'], 1)} | {_fmt(r['backward_ms'], 1)} | {ratio} "
+                f"| {_fmt(r['first_iteration_memory_growth_mib'])} | {_fmt(r['memory_growth_mib'])} |"
+            )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    (args,) = HfArgumentParser(BenchmarkArguments).parse_args_into_dataclasses(args=argv)
+    for name, given, known in (
+        ("tables", args.tables, TABLES),
+        ("attention_contenders", args.attention_contenders, ATTENTION_CONTENDERS),
+    ):
+        unknown = set(given) - set(known)
+        if unknown:
+            raise ValueError(f"Unknown --{name} {sorted(unknown)}; choose from {list(known)}.")
+    import easy_vqa
+
+    from mm_fusion import train_tokenizer
+    from mm_fusion.training import ModelArguments
+
+    rec, info = recipe(), machine()
+    work = tempfile.mkdtemp(prefix="mm_fusion_benchmark_costs_")
+    shared_cache = os.path.join(work, "datasets_cache")
+    os.makedirs(shared_cache)
+    # The vocabulary scripts/train.py trains by default: on the easy-VQA training questions, bounded by vocab_size.
+    tokenizer = train_tokenizer(easy_vqa.get_train_questions()[0], vocab_size=ModelArguments().vocab_size)
+    tokenizer_dir = os.path.join(work, "tokenizer")
+    tokenizer.save_pretrained(tokenizer_dir)
+    vocab_size, labels = len(tokenizer), list(easy_vqa.get_answers())
+
+    config = build_fusion_config(ATTENTION_IMAGE_SIZE, vocab_size, rec["max_length"], labels, None)
+    blocks = block_parameters(config)
+    print(
+        f"vocabulary {vocab_size} (tokenizer trained on the easy-VQA questions, upper bound "
+        f"{ModelArguments().vocab_size}); fusion block parameters: mm_fusion {blocks['mm_fusion']:,}, "
+        f"nn.MultiheadAttention {blocks['seed']:,}",
+        flush=True,
+    )
+    if abs(blocks["mm_fusion"] / blocks["seed"] - 1) > 0.01:
+        raise ValueError(f"The two fusion blocks differ in size by more than 1%: {blocks}.")
+
+    plan = plan_trials(args, rec, vocab_size, labels, tokenizer_dir)
+    expected = [expected_s(p, args.fresh_interpreter) for p in plan]
+    forked = [i for i, p in enumerate(plan) if p["table"] != "preprocessing"]
+    if forked and not args.fresh_interpreter:
+        expected[forked[0]] += IMPORT_S  # the fork server's start, before its first trial
+    print(
+        f"{len(plan)} trials; estimated {sum(expected) / 60:.1f} min on a 2-core machine like the development one "
+        "(calibrated there with 1 torch thread while it was busy, so an upper bound there)",
+        flush=True,
+    )
+    trials, start, expected_done = [], time.perf_counter(), 0.0
+    runner = TrialRunner(work, shared_cache, args.fresh_interpreter)
+    try:
+        for i, payload in enumerate(plan):
+            table = payload["table"]
+            begun = time.perf_counter()
+            t = {"table": table, **runner.run(payload)}
+            t["trial_wall_s"] = time.perf_counter() - begun
+            trials.append(t)
+            expected_done += expected[i]
+            elapsed = time.perf_counter() - start
+            left = sum(expected[i + 1 :]) * elapsed / expected_done
+            if table == "training":
+                what = (
+                    f"training {t['image_size']:>3} px {t['text_length']:>3} tokens: {t['samples_per_s']:7.1f} "
+                    f"samples/s, step {1000 * t['median_step_s']:.0f} ms, peak {t['peak_memory_mib']:.0f} MiB"
+                )
+            elif table == "preprocessing":
+                what = (
+                    f"preprocessing num_proc {t['num_proc']}: {t['images_per_s']:6.0f} images/s "
+                    f"({t['prepare_s']:.1f} s)"
+                )
+            else:
+                what = (
+                    f"attention T={t['text_length']:>3} {t['contender']:>19}: {1000 * t['median_s']:7.1f} ms "
+                    f"forward + backward, memory +{t['memory_growth_mib']:.0f} MiB"
+                )
+            print(
+                f"round {payload['round'] + 1} {what}; {elapsed / 60:.1f} min so far, about {left / 60:.1f} min left",
+                flush=True,
+            )
+    finally:
+        runner.close()
+        shutil.rmtree(work, ignore_errors=True)
+
+    tables = summarise(trials, args)
+    info["trial_torch_threads"] = sorted({t["torch_threads"] for t in trials if "torch_threads" in t})
+    text = markdown(tables, args, info, rec, vocab_size, blocks)
+    print("\n" + text)
+    report = {"arguments": asdict(args), "recipe": rec, "machine": info, "vocab_size": vocab_size}
+    report |= {"block_parameters": blocks, "tables": tables, "trials": trials}
+    report |= {"estimated_s": sum(expected), "wall_s": time.perf_counter() - start}
+    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
+    with open(args.output + ".json", "w") as f:
+        json.dump(report, f, indent=2)
+    with open(args.output + ".md", "w") as f:
+        f.write(text + "\n")
+    return report
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["--_server"]:
+        _serve()
+    elif len(sys.argv) == 4 and sys.argv[1] == "--_worker":
+        payload = json.loads(sys.argv[2])
+        with open(sys.argv[3], "w") as f:
+            json.dump(WORKERS[payload["table"]](payload), f)
+    else:
+        main()

@@ -1,0 +1,912 @@
+"""
+Benchmark one training step of mm_fusion against the two baselines of DESIGN.md, on easy-VQA (VQA as classification
+over its 13 answers), at 64 px (the images' own size) and upsampled to 224 px, in one run on one machine.
+
+Contenders. All three train the same towers, a ViT and a BERT built from config with the recipe's width and depth
+(`ModelArguments`: hidden 128, 4 heads, intermediate 512, 2 vision and 2 text layers, patch 8 at both sizes), with 2
+fusion layers, the same tokenizer, the same seed, learning rate, weight decay and dropout (read from the defaults of
+`mm_fusion.training`'s argument dataclasses, never copied here) and 64 samples per optimizer step:
+
+- `seed`: the loop of the project's source articles. Data: `benchmark_data.seed_loader` (a `Dataset` whose
+  `__getitem__` opens the image with PIL, `Resize`, `ToTensor`, `Normalize(ImageNet)`, tokens padded to
+  `max_length=512`), `DataLoader(batch_size=32, num_workers=<cores>, pin_memory=True)`. Model: the two towers (BERT
+  with 512 positions), 2 fusion layers of `nn.MultiheadAttention(hidden, heads, batch_first=True)` called as
+  `attn(q, k, v)` like the articles do (text self-attention with the padding mask, text-to-image cross-attention,
+  FFN, each with residual + LayerNorm after), [CLS] pooling of both towers, and the recipe's head on the same
+  joint vector as ours (text, image, their product; Linear, GELU, LayerNorm, dropout, Linear).
+  fp32 (also on a GPU), gradient accumulation of 2 micro-batches of 32 by hand, `torch.optim.AdamW` (constant
+  learning rate, no gradient clipping).
+- `run_clip`: transformers' contrastive-image-text example. Data: `benchmark_data.run_clip_loader`'s `datasets`
+  pipeline (`filter` of unreadable images, tokenisation by `map` padded to `max_length` (here the recipe's 64, not
+  the example's 128), images decoded and transformed to normalised floats per batch by `set_transform`), random
+  batches of 64. The stock `transformers.Trainer` with its own defaults (e.g. `dataloader_num_workers=0`,
+  `pin_memory=True`) except for the recipe (learning rate, weight decay, warm-up, schedule) and
+  `remove_unused_columns=False` (as run_clip's README sets it), training OUR model
+  `MMFusionForImageTextClassification` from the same config as `mm_fusion`'s. What differs from `mm_fusion` is the
+  data path, the batching and the Trainer.
+- `mm_fusion`: `scripts/train.py`'s `build_trainer` with its defaults (uint8 Arrow cache, collator padding to the
+  longest text, batches grouped by image, `MMFusionTrainer`), given only `--image_size`, `--max_steps`, the shared
+  tokenizer, `--max_eval_samples` and `--eval_strategy no --save_strategy no --report_to none --disable_tqdm True`.
+
+Parameter counts are printed before the first trial and must agree within 10% at each size (at 64 px with the
+recipe's 8,000-token vocabulary bound: seed 2,752,909 against 2,763,917, 0.4%: `seed` has BERT position rows up
+to 512 but no bridge projections). Patch 8 is kept at 224 px (785 image tokens): the
+slowest contender, `seed`, then takes about 20 s per optimizer step (1 torch thread, 2 cores), slow but feasible, so
+the defaults time fewer steps there instead; `--patch_size 16` would switch every contender.
+
+Method. Each trial (contender, size, round) runs in a fresh Python process (clean peak memory; the process's default
+torch threads; a datasets cache shared by the trials of one run, so preprocessing is not timed). The contenders are
+interleaved (A B C, B C A, C A B, ...) in every round, and every round covers every size. A trial skips `warmup`
+optimizer steps and times the next `steps`; its throughput is 64 samples / the median step time of that window. Each
+step is split into data wait / forward / backward / optimizer / other: for the Trainers by a `TrainerCallback`
+(`on_step_begin`, `on_pre_optimizer_step`, `on_step_end`) and forward pre-hook / hook on the model (forward includes
+the loss, which the model computes; backward runs from the end of the forward to `on_pre_optimizer_step`, so it
+includes gradient clipping; optimizer is the step, scheduler and `zero_grad`; other is the input preparation before
+the forward; data wait runs from the previous `on_step_end` to `on_step_begin`, as in `MMFusionMonitorCallback`),
+and by direct timing in the `seed` loop. Peak memory is the trial process's peak RSS at the end of the timed window
+(DataLoader workers not included) or, on a GPU, `torch.cuda.max_memory_allocated`. In the first round only, each
+trial trains on until `loss_samples` training samples and then reports the mean cross-entropy (and accuracy) on the
+first `eval_questions` easy-VQA test questions, read through the contender's own data path. Speed-ups are ratios of
+median throughputs (with the min-max of the per-round ratios), against the targets mm_fusion >= 2x seed and
+>= 1.3x run_clip, and mm_fusion's data wait against < 5% of step time. On a GPU every contender but `seed` (fp32 by
+definition) trains with bf16, and mm_fusion's MFU comes from Trainer's FLOP count (untested here: no GPU).
+
+    python scripts/benchmark_training_step.py           # the full run: 18 trials, at most ~30 min on 2 cores
+    python scripts/benchmark_training_step.py --rounds 1 --sizes 64 --steps 10 --loss_samples 640   # ~4 min look
+
+The estimate printed first comes from step times measured with 1 torch thread on the shared development machine
+(`STEP_S`), so it is an upper bound; after each trial the time left is re-estimated from the trials so far.
+
+Writes scripts/results/benchmark_training_step.{json,md,png} and prints the Markdown table.
+"""
+
+import importlib.util
+import json
+import math
+import os
+import platform
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import HfArgumentParser, TrainerCallback
+
+
+SCRIPTS = Path(__file__).resolve().parent
+
+
+def _load_script(name: str):
+    """A module of `scripts/NAME.py` (the scripts are not a package)."""
+    spec = importlib.util.spec_from_file_location(f"mm_fusion_{name}_script", SCRIPTS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# The baselines' data loaders and the table helpers of the data benchmark.
+benchmark_data = _load_script("benchmark_data")
+_summary, _fmt = benchmark_data._summary, benchmark_data._fmt
+
+CONTENDERS = ("seed", "run_clip", "mm_fusion")
+PARTS = ("data_wait", "forward", "backward", "optimizer", "other")  # the split of a step's wall time
+TARGETS = {"seed": 2.0, "run_clip": 1.3}  # mm_fusion's throughput must be at least this many times theirs
+DATA_WAIT_TARGET = 0.05  # mm_fusion's data wait, as a fraction of step time
+SEED_MICRO_BATCH, SEED_MAX_LENGTH = 32, 512  # DESIGN.md's seed style
+# Per-size defaults of the step counts; other sizes take those of the nearest size listed.
+DEFAULT_WARMUP = {64: 3, 224: 2}
+DEFAULT_STEPS = {64: 15, 224: 5}
+DEFAULT_LOSS_SAMPLES = {64: 2048, 224: 512}
+# Seconds per optimizer step and per trial start-up (process, imports, data, model) measured on the 2-core development
+# machine with 1 torch thread while it was shared; only for the duration estimate, which they make an upper bound.
+STEP_S = {"seed": {64: 7.0, 224: 21.0}, "run_clip": {64: 0.9, 224: 8.1}, "mm_fusion": {64: 0.14, 224: 1.1}}
+STARTUP_S = {"seed": 12.0, "run_clip": 20.0, "mm_fusion": 8.0}
+
+
+@dataclass
+class BenchmarkArguments:
+    sizes: list[int] = field(default_factory=lambda: [64, 224], metadata={"help": "Image sizes to train at."})
+    contenders: list[str] = field(default_factory=lambda: list(CONTENDERS), metadata={"help": "Contenders to run."})
+    rounds: int = field(default=3, metadata={"help": "Interleaved rounds (one trial per contender and size each)."})
+    warmup: list[int] | None = field(
+        default=None,
+        metadata={"help": "Untimed optimizer steps: one value, or one per size (default 3 at 64 px, 2 at 224 px)."},
+    )
+    steps: list[int] | None = field(
+        default=None,
+        metadata={"help": "Timed optimizer steps: one value, or one per size (default 15 at 64 px, 5 at 224 px)."},
+    )
+    loss_samples: list[int] | None = field(
+        default=None,
+        metadata={
+            "help": "Training samples before the evaluation loss (first round): one value, or one per size "
+            "(default 2048 at 64 px, 512 at 224 px); 0 skips it."
+        },
+    )
+    eval_questions: int = field(default=1000, metadata={"help": "The first N easy-VQA test questions evaluate."})
+    patch_size: int | None = field(
+        default=None, metadata={"help": "Patch size of every contender's ViT (default: the recipe's)."}
+    )
+    output: str = field(
+        default=str(SCRIPTS / "results" / "benchmark_training_step"),
+        metadata={"help": "Writes OUTPUT.json, OUTPUT.md and OUTPUT.png."},
+    )
+
+
+def _per_size(values: list[int] | None, defaults: dict[int, int], sizes: list[int], name: str) -> dict[int, int]:
+    """One value for all sizes, one per size, or the default of the nearest size listed in `defaults`."""
+    if values is None:
+        return {s: defaults[min(defaults, key=lambda d: abs(d - s))] for s in sizes}
+    if len(values) == 1:
+        return dict.fromkeys(sizes, values[0])
+    if len(values) != len(sizes):
+        raise ValueError(f"--{name} takes one value or one per size ({len(sizes)}: {sizes}); got {values}.")
+    return dict(zip(sizes, values))
+
+
+def recipe() -> dict:
+    """The training recipe, from the defaults of mm_fusion's argument dataclasses (whatever they are today)."""
+    from mm_fusion.training import DataArguments, MMFusionTrainingArguments, ModelArguments
+
+    training = {f.name: f.default for f in fields(MMFusionTrainingArguments)}
+    model, data = ModelArguments(), DataArguments()
+    return {
+        "learning_rate": training["learning_rate"],
+        "weight_decay": training["weight_decay"],
+        "warmup_steps": training["warmup_steps"],
+        "lr_scheduler_type": str(training["lr_scheduler_type"]),
+        "max_grad_norm": training["max_grad_norm"],
+        "batch_size": training["per_device_train_batch_size"],
+        "seed": training["seed"],
+        "dropout": model.dropout,
+        "patch_size": model.patch_size,
+        "vocab_size": model.vocab_size,
+        "max_length": data.max_length,
+    }
+
+
+def build_fusion_config(size: int, vocab_size: int, max_length: int, labels: list[str], patch_size: int | None):
+    """`MMFusionConfig` of the recipe's model (what `build_trainer` builds) at this size, BERT with `max_length`."""
+    from mm_fusion.training import ModelArguments, build_config
+
+    model_args = ModelArguments() if patch_size is None else ModelArguments(patch_size=patch_size)
+    return build_config(model_args, size, vocab_size, max_length, labels)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The seed-style model: the same towers, fusion by nn.MultiheadAttention as the source articles write it.
+
+
+class SeedFusionLayer(nn.Module):
+    """Text self-attention, text-to-image cross-attention and an FFN, each with a residual and a LayerNorm after."""
+
+    def __init__(self, hidden_size: int, num_heads: int, intermediate_size: int, dropout: float):
+        super().__init__()
+        self.self_attn = nn.MultiheadAttention(hidden_size, num_heads, batch_first=True)
+        self.cross_attn = nn.MultiheadAttention(hidden_size, num_heads, batch_first=True)
+        self.ffn = nn.Sequential(
+            nn.Linear(hidden_size, intermediate_size), nn.GELU(), nn.Linear(intermediate_size, hidden_size)
+        )
+        self.norm1, self.norm2, self.norm3 = (nn.LayerNorm(hidden_size) for _ in range(3))
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, text: torch.Tensor, image: torch.Tensor, text_padding: torch.Tensor) -> torch.Tensor:
+        attended, _ = self.self_attn(text, text, text, key_padding_mask=text_padding)
+        text = self.norm1(text + self.dropout(attended))
+        attended, _ = self.cross_attn(text, image, image)
+        text = self.norm2(text + self.dropout(attended))
+        return self.norm3(text + self.dropout(self.ffn(text)))
+
+
+class SeedStyleModel(nn.Module):
+    """ViT + BERT (from the given tower configs), seed-style fusion layers, [CLS] pooling and the recipe's head."""
+
+    def __init__(self, vision_config, text_config, num_labels: int, num_fusion_layers: int, dropout: float):
+        super().__init__()
+        from transformers import AutoModel
+
+        if vision_config.hidden_size != text_config.hidden_size:
+            raise ValueError("The seed-style fusion needs towers of one width.")
+        self.vision_model = AutoModel.from_config(vision_config, add_pooling_layer=False)
+        self.text_model = AutoModel.from_config(text_config, add_pooling_layer=False)
+        h = text_config.hidden_size
+        self.fusion = nn.ModuleList(
+            SeedFusionLayer(h, text_config.num_attention_heads, text_config.intermediate_size, dropout)
+            for _ in range(num_fusion_layers)
+        )
+        # The head of the recipe's model on the same joint vector (text [CLS], image [CLS], their product), so that
+        # only the fusion layers and the loop differ from the other contenders.
+        hidden = 2 * 3 * h
+        self.classifier = nn.Sequential(
+            nn.Linear(3 * h, hidden),
+            nn.GELU(),
+            nn.LayerNorm(hidden),
+            nn.Dropout(dropout),
+            nn.Linear(hidden, num_labels),
+        )
+
+    def forward(
+        self, pixel_values, input_ids, attention_mask, labels=None
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        image = self.vision_model(pixel_values=pixel_values).last_hidden_state  # (B, 1 + patches, D)
+        text = self.text_model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state  # (B, 512, D)
+        for layer in self.fusion:
+            text = layer(text, image, attention_mask == 0)
+        text, image = text[:, 0], image[:, 0]  # [CLS]
+        logits = self.classifier(torch.cat([text, image, text * image], dim=-1))
+        return (F.cross_entropy(logits, labels) if labels is not None else None), logits
+
+
+def seed_model(config) -> SeedStyleModel:
+    """The seed-style model with the towers of an `MMFusionConfig` (its text config with 512 positions)."""
+    return SeedStyleModel(
+        config.vision_config, config.text_config, config.num_labels, config.num_fusion_layers, config.fusion_dropout
+    )
+
+
+def parameter_counts(size: int, vocab_size: int, labels: list[str], rec: dict, patch_size: int | None) -> dict:
+    """Parameters of each contender's model at this size (run_clip and mm_fusion train the same model)."""
+    from mm_fusion import MMFusionForImageTextClassification
+
+    ours = build_fusion_config(size, vocab_size, rec["max_length"], labels, patch_size)
+    seed = build_fusion_config(size, vocab_size, SEED_MAX_LENGTH, labels, patch_size)
+    mine = sum(p.numel() for p in MMFusionForImageTextClassification(ours).parameters())
+    return {"seed": sum(p.numel() for p in seed_model(seed).parameters()), "run_clip": mine, "mm_fusion": mine}
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Timing.
+
+
+def _peak_memory_mib() -> float:
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+class StepTimer:
+    """
+    Splits the wall time of each optimizer step into `PARTS`: every interval between two `mark`s goes to the part
+    named by the later one, so a step's parts add up to the time since the previous step ended. Notes the peak
+    memory and a FLOP counter at the end of the warm-up and of the timed window.
+    """
+
+    def __init__(self, warmup: int, steps: int, flops=None):
+        self.warmup, self.window_end, self.flops = warmup, warmup + steps, flops
+        self.steps, self.peak_memory_mib, self.window_flops = [], None, {}
+        self.sync = torch.cuda.is_available()
+        self._parts, self._samples, self._last = dict.fromkeys(PARTS, 0.0), 0, None
+
+    def start(self) -> None:
+        self._last = time.perf_counter()
+
+    def mark(self, part: str) -> None:
+        if self.sync:
+            torch.cuda.synchronize()
+        now = time.perf_counter()
+        self._parts[part] += now - self._last
+        self._last = now
+
+    def count(self, samples: int) -> None:
+        self._samples += samples
+
+    def end_step(self) -> None:
+        self.steps.append({**self._parts, "samples": self._samples, "total": sum(self._parts.values())})
+        self._parts, self._samples = dict.fromkeys(PARTS, 0.0), 0
+        if len(self.steps) in (self.warmup, self.window_end) and self.flops is not None:
+            self.window_flops[len(self.steps)] = self.flops()
+        if len(self.steps) == self.window_end:
+            self.peak_memory_mib = _peak_memory_mib()
+
+    def summary(self) -> dict:
+        window = self.steps[self.warmup : self.window_end]
+        if len(window) < self.window_end - self.warmup:
+            raise RuntimeError(f"Only {len(self.steps)} steps ran; the timed window ends at step {self.window_end}.")
+        total = sum(s["total"] for s in window)
+        median_step = statistics.median(s["total"] for s in window)
+        samples = statistics.median(s["samples"] for s in window)
+        return {
+            "step_s": [s["total"] for s in self.steps],
+            "median_step_s": median_step,
+            "samples_per_step": samples,
+            "samples_per_s": samples / median_step,
+            "window_samples_per_s": sum(s["samples"] for s in window) / total,
+            "split": {part: sum(s[part] for s in window) / total for part in PARTS},
+            "peak_memory_mib": self.peak_memory_mib,
+            "window_s": total,
+        }
+
+
+class StepTimerCallback(TrainerCallback):
+    """Feeds a [`StepTimer`] from a Trainer's step events and from forward hooks on its model."""
+
+    def __init__(self, timer: StepTimer, model: nn.Module):
+        self.timer, self.active, self._forwards = timer, False, 0
+        model.register_forward_pre_hook(self._before_forward, with_kwargs=True)
+        model.register_forward_hook(self._after_forward)
+
+    def _before_forward(self, module, args, kwargs):
+        if self.active and module.training:
+            # Before the first forward of a step: input preparation; between forwards: the previous backward.
+            self.timer.mark("backward" if self._forwards else "other")
+            self._forwards += 1
+            ids = kwargs.get("input_ids", args[0] if args else None)
+            self.timer.count(ids.shape[0])
+
+    def _after_forward(self, module, args, output):
+        if self.active and module.training:
+            self.timer.mark("forward")
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.active = True
+        self.timer.start()
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.timer.mark("data_wait")  # the batches were fetched after the previous step ended
+        self._forwards = 0
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        self.timer.mark("backward")
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.timer.mark("optimizer")
+        self.timer.end_step()
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.active = False
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The contenders, each in its own process: train `total_steps` optimizer steps, then evaluate if asked.
+
+
+def _easy_vqa(eval_questions: int):
+    from mm_fusion.data import load_easy_vqa
+
+    data = load_easy_vqa(["train", "test"])
+    return data["train"], data["test"].select(range(eval_questions))
+
+
+def train_seed(size, rec, tokenizer, labels, total_steps, timer, evaluate, eval_questions, patch_size) -> dict:
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    config = build_fusion_config(size, len(tokenizer), SEED_MAX_LENGTH, labels, patch_size)
+    model = seed_model(config).to(device)
+    train, test = _easy_vqa(eval_questions)
+    loader_args = SimpleNamespace(batch_size=SEED_MICRO_BATCH, num_workers=os.cpu_count() or 1)
+
+    def loader(split):
+        rows = {"image": split["image"], "question": split["question"], "answer": split["answer"]}
+        return benchmark_data.seed_loader(rows, tokenizer, size, loader_args)[0]
+
+    def forever(batches):
+        while True:
+            yield from batches
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=rec["learning_rate"], weight_decay=rec["weight_decay"])
+    accumulation = rec["batch_size"] // SEED_MICRO_BATCH
+    batches = forever(loader(train))
+    model.train()
+    timer.start()
+    for _ in range(total_steps):
+        for _ in range(accumulation):
+            batch = next(batches)
+            timer.mark("data_wait")
+            batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+            timer.mark("other")
+            loss = model(**batch)[0] / accumulation
+            timer.mark("forward")
+            loss.backward()
+            timer.mark("backward")
+            timer.count(batch["labels"].shape[0])
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        timer.mark("optimizer")
+        timer.end_step()
+    result = {"parameters": sum(p.numel() for p in model.parameters()), "towers": _towers(config)}
+    if evaluate:
+        model.eval()
+        loss_sum, correct, count = 0.0, 0, 0
+        with torch.no_grad():
+            for batch in loader(test):
+                batch = {k: v.to(device) for k, v in batch.items()}
+                logits = model(batch["pixel_values"], batch["input_ids"], batch["attention_mask"])[1]
+                loss_sum += F.cross_entropy(logits.float(), batch["labels"], reduction="sum").item()
+                correct += int((logits.argmax(-1) == batch["labels"]).sum())
+                count += batch["labels"].shape[0]
+        result.update(eval_loss=loss_sum / count, eval_accuracy=correct / count, eval_count=count)
+    return result
+
+
+class _TruncateTo:
+    """The tokenizer, padding / truncating to `max_length` whatever the caller asks (run_clip_loader asks for 128)."""
+
+    def __init__(self, tokenizer, max_length: int):
+        self.tokenizer, self.max_length = tokenizer, max_length
+
+    def __call__(self, texts, **kwargs):
+        return self.tokenizer(texts, **{**kwargs, "max_length": self.max_length})
+
+
+def train_run_clip(size, rec, tokenizer, labels, total_steps, timer, evaluate, eval_questions, patch_size, out):
+    from transformers import Trainer, TrainingArguments
+
+    from mm_fusion import MMFusionForImageTextClassification
+
+    train, test = _easy_vqa(eval_questions)
+    loader_args = SimpleNamespace(batch_size=rec["batch_size"], num_workers=0)
+
+    def dataset(split):
+        """run_clip_loader's pipeline (its DataLoader unused: Trainer builds its own), with the answers as labels."""
+        loader = benchmark_data.run_clip_loader(split, _TruncateTo(tokenizer, rec["max_length"]), size, loader_args)[0]
+        if len(loader.dataset) != len(split):
+            raise RuntimeError("run_clip's filter dropped rows; the labels would no longer line up.")
+        return loader.dataset.add_column("labels", split["answer"]), loader.collate_fn
+
+    train_dataset, clip_collate = dataset(train)
+
+    def collate(examples):
+        return {**clip_collate(examples), "labels": torch.tensor([e["labels"] for e in examples])}
+
+    config = build_fusion_config(size, len(tokenizer), rec["max_length"], labels, patch_size)
+    config.problem_type = "single_label_classification"
+    model = MMFusionForImageTextClassification(config)
+    args = TrainingArguments(
+        output_dir=out,
+        per_device_train_batch_size=rec["batch_size"],
+        per_device_eval_batch_size=rec["batch_size"],
+        learning_rate=rec["learning_rate"],
+        weight_decay=rec["weight_decay"],
+        warmup_steps=rec["warmup_steps"],
+        lr_scheduler_type=rec["lr_scheduler_type"],
+        max_steps=total_steps,
+        seed=rec["seed"],
+        bf16=torch.cuda.is_available(),
+        remove_unused_columns=False,  # pixel_values are made from the image column by the transform
+        eval_strategy="no",
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+    )
+    trainer = Trainer(model=model, args=args, train_dataset=train_dataset, data_collator=collate)
+    trainer.add_callback(StepTimerCallback(timer, model))
+    trainer.train()
+    result = {"parameters": sum(p.numel() for p in model.parameters()), "towers": _towers(config)}
+    if evaluate:
+        prediction = trainer.predict(dataset(test)[0])  # Trainer's evaluation loop, with the logits kept
+        logits = prediction.predictions[0] if isinstance(prediction.predictions, tuple) else prediction.predictions
+        accuracy = float((logits.argmax(-1) == np.asarray(test["answer"])).mean())
+        result.update(eval_loss=prediction.metrics["test_loss"], eval_accuracy=accuracy, eval_count=len(test))
+    return result
+
+
+def train_mm_fusion(size, rec, tokenizer_dir, total_steps, timer, evaluate, eval_questions, patch_size, out) -> dict:
+    build_trainer = _load_script("train").build_trainer
+    argv = ["--output_dir", out, "--image_size", str(size), "--max_steps", str(total_steps)]
+    argv += ["--tokenizer_name_or_path", tokenizer_dir, "--max_eval_samples", str(eval_questions)]
+    argv += ["--eval_strategy", "no", "--save_strategy", "no", "--report_to", "none", "--disable_tqdm", "True"]
+    if patch_size is not None:
+        argv += ["--patch_size", str(patch_size)]
+    if torch.cuda.is_available():
+        argv += ["--bf16", "True"]
+    trainer, _ = build_trainer(argv)
+    timer.flops = lambda: trainer.state.total_flos + trainer.current_flos  # Trainer's FLOP count, for the MFU
+    trainer.add_callback(StepTimerCallback(timer, trainer.model))
+    trainer.train()
+    model = trainer.model
+    result = {"parameters": sum(p.numel() for p in model.parameters()), "towers": _towers(model.config)}
+    if evaluate:
+        metrics = trainer.evaluate()
+        result.update(
+            eval_loss=metrics["eval_loss"],
+            eval_accuracy=metrics["eval_accuracy"],
+            eval_count=len(trainer.eval_dataset),
+        )
+    return result
+
+
+def _towers(config) -> dict:
+    """What must be equal across contenders: the towers' shapes."""
+    v, t = config.vision_config, config.text_config
+    keys = ("hidden_size", "num_attention_heads", "intermediate_size", "num_hidden_layers")
+    return {
+        "vision": {**{k: getattr(v, k) for k in keys}, "patch_size": v.patch_size, "image_size": v.image_size},
+        "text": {**{k: getattr(t, k) for k in keys}, "vocab_size": t.vocab_size},
+        "fusion_layers": config.num_fusion_layers,
+    }
+
+
+def run_trial(payload: dict) -> dict:
+    """One trial, in this fresh process."""
+    from transformers import AutoTokenizer, set_seed
+
+    from mm_fusion.training.callbacks import peak_tflops
+
+    contender, size, rec = payload["contender"], payload["size"], payload["recipe"]
+    warmup, steps, loss_steps = payload["warmup"], payload["steps"], payload["loss_steps"]
+    evaluate = loss_steps > 0
+    total_steps = max(warmup + steps, loss_steps)
+    set_seed(rec["seed"])
+    tokenizer = AutoTokenizer.from_pretrained(payload["tokenizer"])
+    labels, patch, questions = payload["labels"], payload["patch_size"], payload["eval_questions"]
+    timer = StepTimer(warmup, steps)
+    start = time.perf_counter()
+    if contender == "seed":
+        result = train_seed(size, rec, tokenizer, labels, total_steps, timer, evaluate, questions, patch)
+    elif contender == "run_clip":
+        result = train_run_clip(
+            size, rec, tokenizer, labels, total_steps, timer, evaluate, questions, patch, payload["out"]
+        )
+    else:
+        result = train_mm_fusion(
+            size, rec, payload["tokenizer"], total_steps, timer, evaluate, questions, patch, payload["out"]
+        )
+    summary = timer.summary()
+    if len(timer.window_flops) == 2 and torch.cuda.is_available():
+        peak = peak_tflops(torch.cuda.get_device_name())
+        flops = timer.window_flops[timer.window_end] - timer.window_flops[warmup]
+        summary["mfu"] = flops / summary["window_s"] / (peak * 1e12) if peak else None
+    return {
+        "contender": contender,
+        "image_size": size,
+        "round": payload["round"],
+        "warmup_steps": warmup,
+        "timed_steps": steps,
+        "trained_steps": total_steps,
+        "loss_samples": loss_steps * rec["batch_size"] if evaluate else None,
+        "torch_threads": torch.get_num_threads(),
+        "trial_s": time.perf_counter() - start,
+        **summary,
+        **result,
+    }
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The run: trials in subprocesses, then tables, JSON and chart.
+
+
+def _subprocess(payload: dict, cache_dir: str) -> dict:
+    """Run one trial in a new Python process (the parent's environment, thread settings included)."""
+    result_file = os.path.join(payload["out"], "trial.json")
+    env = {**os.environ, "HF_DATASETS_CACHE": cache_dir, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    command = [sys.executable, os.path.abspath(__file__), "--_worker", json.dumps(payload), result_file]
+    run = subprocess.run(command, env=env, capture_output=True, text=True)
+    if run.returncode != 0:
+        raise RuntimeError(f"{payload['contender']} at {payload['size']} px failed:\n{run.stderr[-4000:]}")
+    with open(result_file) as f:
+        return json.load(f)
+
+
+def machine() -> dict:
+    import transformers
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    return {
+        "cores": os.cpu_count(),
+        "cpu": cpu,
+        "torch_threads": torch.get_num_threads(),
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+    }
+
+
+def expected_s(contender: str, size: int, trained_steps: int, eval_questions: int, batch_size: int) -> float:
+    """Rough duration of one trial, from `STEP_S` and `STARTUP_S` (other sizes scaled by their pixels)."""
+    nearest = min(STEP_S[contender], key=lambda s: abs(s - size))
+    step = STEP_S[contender][nearest] * (size / nearest) ** 2
+    evaluation = eval_questions * step / batch_size / 2 if eval_questions else 0.0  # forward only, ~1/3 of a step
+    return STARTUP_S[contender] + trained_steps * step + evaluation
+
+
+def _ratios(trials: list[dict], size: int, rounds: int, other: str) -> dict | None:
+    """mm_fusion's throughput over `other`'s: the ratio of medians and the per-round ratios."""
+    speed = {(t["contender"], t["round"]): t["samples_per_s"] for t in trials if t["image_size"] == size}
+    mine = [speed[("mm_fusion", r)] for r in range(rounds) if ("mm_fusion", r) in speed]
+    theirs = [speed[(other, r)] for r in range(rounds) if (other, r) in speed]
+    both = [r for r in range(rounds) if ("mm_fusion", r) in speed and (other, r) in speed]
+    per_round = [speed[("mm_fusion", r)] / speed[(other, r)] for r in both]
+    if not per_round:
+        return None
+    ratio = statistics.median(mine) / statistics.median(theirs)
+    return {"ratio": ratio, "per_round": per_round, "min": min(per_round), "max": max(per_round)}
+
+
+def summarise(trials: list[dict], args: BenchmarkArguments) -> tuple[list[dict], list[dict]]:
+    rows, speedups = [], []
+    for size in args.sizes:
+        for contender in args.contenders:
+            mine = [t for t in trials if t["image_size"] == size and t["contender"] == contender]
+            loss_trial = next((t for t in mine if t.get("eval_loss") is not None), None)
+            mfu = [t["mfu"] for t in mine if t.get("mfu") is not None]
+            rows.append(
+                {
+                    "image_size": size,
+                    "contender": contender,
+                    "parameters": mine[0]["parameters"],
+                    "samples_per_s": _summary([t["samples_per_s"] for t in mine]),
+                    "median_step_ms": _summary([1000 * t["median_step_s"] for t in mine]),
+                    "split": {p: statistics.median(t["split"][p] for t in mine) for p in PARTS},
+                    "data_wait": _summary([t["split"]["data_wait"] for t in mine]),
+                    "peak_memory_mib": _summary([t["peak_memory_mib"] for t in mine]),
+                    "eval_loss": loss_trial["eval_loss"] if loss_trial else None,
+                    "eval_accuracy": loss_trial["eval_accuracy"] if loss_trial else None,
+                    "loss_samples": loss_trial["loss_samples"] if loss_trial else None,
+                    "mfu": statistics.median(mfu) if mfu else None,
+                }
+            )
+        if "mm_fusion" in args.contenders:
+            wait = [
+                t["split"]["data_wait"] for t in trials if t["image_size"] == size and t["contender"] == "mm_fusion"
+            ]
+            entry = {"image_size": size, "mm_fusion_data_wait": _summary(wait)}
+            entry["data_wait_pass"] = statistics.median(wait) < DATA_WAIT_TARGET
+            for other, target in TARGETS.items():
+                ratio = _ratios(trials, size, args.rounds, other) if other in args.contenders else None
+                if ratio is not None:
+                    ratio |= {"target": target, "pass": ratio["ratio"] >= target}
+                entry[f"vs_{other}"] = ratio
+            speedups.append(entry)
+    return rows, speedups
+
+
+def parameter_check(trials: list[dict]) -> list[dict]:
+    """At each size: parameter counts within 10% of each other, and the same towers, in every trial."""
+    checks = []
+    for size in dict.fromkeys(t["image_size"] for t in trials):
+        mine = [t for t in trials if t["image_size"] == size]
+        counts = {t["contender"]: t["parameters"] for t in mine}
+        spread = max(counts.values()) / min(counts.values()) - 1
+        same_towers = all(t["towers"] == mine[0]["towers"] for t in mine)
+        checks.append(
+            {
+                "image_size": size,
+                "parameters": counts,
+                "spread": spread,
+                "within_10_percent": spread <= 0.1,
+                "same_towers": same_towers,
+                "towers": mine[0]["towers"],
+            }
+        )
+    return checks
+
+
+def markdown(rows, speedups, checks, args, info, rec, settings) -> str:
+    device = f"GPU {info['gpu']} (bf16 except seed)" if info["gpu"] else "CPU, fp32"
+    steps = ", ".join(f"{s} px: {settings[s]['warmup']} + {settings[s]['steps']}" for s in args.sizes)
+    loss = ", ".join(f"{s} px: {settings[s]['loss_samples']}" for s in args.sizes if settings[s]["loss_samples"])
+    threads = "/".join(map(str, info["trial_torch_threads"]))
+    memory = "peak `torch.cuda.max_memory_allocated`" if info["gpu"] else "peak RSS of the training process"
+    lines = [
+        f"easy-VQA training step (VQA as classification, 13 answers), {rec['batch_size']} samples per optimizer step, "
+        "learning rate "
+        f"{rec['learning_rate']:g}, weight decay {rec['weight_decay']:g}, dropout {rec['dropout']:g}; "
+        f"{args.rounds} interleaved rounds, a fresh process per trial; warm-up + timed optimizer steps per trial "
+        f"({steps}). {device}; {info['cores']} cores ({info['cpu']}), {threads} torch threads, torch "
+        f"{info['torch']}, transformers {info['transformers']}. Medians (min–max over rounds); samples/s = "
+        f"{rec['batch_size']} / median step time; the split is the share of the timed steps' wall time; memory is the "
+        f"{memory} at the end of the timed steps.",
+        "",
+        f"Evaluation: mean cross-entropy and accuracy on the first {args.eval_questions} easy-VQA test questions, "
+        f"each contender reading them through its own data path, after the given number of training samples ({loss}), "
+        "measured once per contender and size (round 1)."
+        if loss
+        else "Evaluation loss: not measured (--loss_samples 0).",
+        "",
+        "| size | contender | parameters | samples/s | step (ms) | data wait | forward | backward | optimizer | other "
+        "| peak memory (MiB) | eval loss | eval accuracy |" + (" MFU |" if info["gpu"] else ""),
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if info["gpu"] else ""),
+    ]
+    for r in rows:
+        split = " | ".join(f"{r['split'][p]:.1%}" for p in PARTS)
+        loss_cell = f"{r['eval_loss']:.3f} ({r['loss_samples']} samples)" if r["eval_loss"] is not None else "–"
+        accuracy = f"{r['eval_accuracy']:.3f}" if r["eval_accuracy"] is not None else "–"
+        mfu = (f" {r['mfu']:.1%} |" if r["mfu"] is not None else " – |") if info["gpu"] else ""
+        lines.append(
+            f"| {r['image_size']} | {r['contender']} | {r['parameters'] / 1e6:.3f}M | {_fmt(r['samples_per_s'])} "
+            f"| {_fmt(r['median_step_ms'])} | {split} | {_fmt(r['peak_memory_mib'])} | {loss_cell} | {accuracy} |"
+            + mfu
+        )
+    lines += [
+        "",
+        "Targets: mm_fusion >= 2x seed and >= 1.3x run_clip in samples/s (ratio of medians; per-round ratios in "
+        "brackets), and mm_fusion's data wait < 5% of step time.",
+        "",
+        "| size | mm_fusion vs seed | | mm_fusion vs run_clip | | mm_fusion data wait | |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for s in speedups:
+        cells = []
+        for other in TARGETS:
+            ratio = s[f"vs_{other}"]
+            if ratio is None:
+                cells += ["–", "–"]
+            else:
+                cells += [
+                    f"{ratio['ratio']:.2f}x ({ratio['min']:.2f}–{ratio['max']:.2f})",
+                    f"{'PASS' if ratio['pass'] else 'FAIL'} (>= {ratio['target']}x)",
+                ]
+        wait = s["mm_fusion_data_wait"]
+        cells += [f"{wait['median']:.1%} ({wait['min']:.1%}–{wait['max']:.1%})"]
+        cells += [f"{'PASS' if s['data_wait_pass'] else 'FAIL'} (< {DATA_WAIT_TARGET:.0%})"]
+        lines.append(f"| {s['image_size']} | " + " | ".join(cells) + " |")
+    lines.append("")
+    for c in checks:
+        counts = ", ".join(f"{k} {v:,}" for k, v in c["parameters"].items())
+        within = "within 10%" if c["within_10_percent"] else "NOT within 10%"
+        towers = "the same towers" if c["same_towers"] else "DIFFERENT towers"
+        v, t = c["towers"]["vision"], c["towers"]["text"]
+        lines.append(
+            f"- Parameters at {c['image_size']} px: {counts} "
+            f"({within}: spread {c['spread']:.1%}); {towers} (ViT and BERT of hidden {v['hidden_size']}, "
+            f"{v['num_attention_heads']} heads, intermediate {v['intermediate_size']}, {v['num_hidden_layers']} + "
+            f"{t['num_hidden_layers']} layers, patch {v['patch_size']}; {c['towers']['fusion_layers']} fusion layers)."
+        )
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], args: BenchmarkArguments, path: str) -> None:
+    """Samples/s per contender and size with min-max bars, and the split of the step time."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+
+    colors = dict(zip(CONTENDERS, ("#b0b0b0", "#7aa6d6", "#d9822b")))
+    fig, (speed_ax, split_ax) = plt.subplots(1, 2, figsize=(13, 4.8), gridspec_kw={"width_ratios": [1, 1.3]})
+    n, width = len(args.contenders), 0.8 / len(args.contenders)
+    for j, contender in enumerate(args.contenders):
+        mine = [next(r for r in rows if r["image_size"] == s and r["contender"] == contender) for s in args.sizes]
+        x = [i + (j - (n - 1) / 2) * width for i in range(len(args.sizes))]
+        median = [r["samples_per_s"]["median"] for r in mine]
+        errors = [
+            [m - r["samples_per_s"]["min"] for m, r in zip(median, mine)],
+            [r["samples_per_s"]["max"] - m for m, r in zip(median, mine)],
+        ]
+        bars = speed_ax.bar(x, median, width, yerr=errors, capsize=3, label=contender, color=colors.get(contender))
+        speed_ax.bar_label(bars, labels=[f"{m:.0f}" for m in median], padding=2, fontsize=8)
+    speed_ax.set_xticks(range(len(args.sizes)), [f"{s} px" for s in args.sizes])
+    speed_ax.set_ylabel("training samples/s (median, min–max)")
+    speed_ax.set_yscale("log")
+    speed_ax.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+    speed_ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    speed_ax.set_title("Throughput")
+    speed_ax.legend()
+    part_colors = dict(zip(PARTS, ("#d62728", "#1f77b4", "#2ca02c", "#9467bd", "#c7c7c7")))
+    labels = [f"{r['contender']} {r['image_size']} px" for r in rows]
+    left = [0.0] * len(rows)
+    for part in PARTS:
+        share = [r["split"][part] for r in rows]
+        split_ax.barh(labels, share, left=left, color=part_colors[part], label=part.replace("_", " "))
+        left = [a + b for a, b in zip(left, share)]
+    split_ax.invert_yaxis()
+    split_ax.set_xlim(0, 1)
+    split_ax.set_xlabel("share of step time (median over rounds)")
+    split_ax.set_title("Where a step's time goes")
+    split_ax.legend(ncol=5, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.15))
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    (args,) = HfArgumentParser(BenchmarkArguments).parse_args_into_dataclasses(args=argv)
+    unknown = set(args.contenders) - set(CONTENDERS)
+    if unknown:
+        raise ValueError(f"Unknown contenders {sorted(unknown)}; choose from {list(CONTENDERS)}.")
+    import easy_vqa
+
+    from mm_fusion import train_tokenizer
+
+    rec = recipe()
+    warmups = _per_size(args.warmup, DEFAULT_WARMUP, args.sizes, "warmup")
+    steps = _per_size(args.steps, DEFAULT_STEPS, args.sizes, "steps")
+    loss_samples = _per_size(args.loss_samples, DEFAULT_LOSS_SAMPLES, args.sizes, "loss_samples")
+    loss_steps = {s: math.ceil(n / rec["batch_size"]) for s, n in loss_samples.items()}
+    settings = {
+        s: {"warmup": warmups[s], "steps": steps[s], "loss_samples": loss_steps[s] * rec["batch_size"]}
+        for s in args.sizes
+    }
+    info = machine()
+
+    work = tempfile.mkdtemp(prefix="mm_fusion_benchmark_step_")
+    cache = os.path.join(work, "datasets_cache")
+    tokenizer = train_tokenizer(easy_vqa.get_train_questions()[0], vocab_size=rec["vocab_size"])
+    tokenizer_dir = os.path.join(work, "tokenizer")
+    tokenizer.save_pretrained(tokenizer_dir)
+    labels = list(easy_vqa.get_answers())
+
+    for size in args.sizes:  # before any trial: the models must be of one size
+        counts = parameter_counts(size, len(tokenizer), labels, rec, args.patch_size)
+        print(f"{size} px parameters: " + ", ".join(f"{c} {counts[c]:,}" for c in args.contenders), flush=True)
+        spread = max(counts.values()) / min(counts.values()) - 1
+        if spread > 0.1:
+            raise ValueError(f"The contenders' parameter counts differ by {spread:.1%} at {size} px (limit 10%).")
+    # Round-major, so that every round covers every size; within a round the contenders' order rotates.
+    plan = []
+    for r in range(args.rounds):
+        order = args.contenders[r % len(args.contenders) :] + args.contenders[: r % len(args.contenders)]
+        for size in args.sizes:
+            for contender in order:
+                trained = max(warmups[size] + steps[size], loss_steps[size] if r == 0 else 0)
+                evaluated = args.eval_questions if r == 0 and loss_steps[size] else 0
+                plan.append((r, size, contender, expected_s(contender, size, trained, evaluated, rec["batch_size"])))
+    print(
+        f"{len(plan)} trials; estimated {sum(p[3] for p in plan) / 60:.0f} min at most on a 2-core machine like the "
+        "development one (calibrated there with 1 torch thread)",
+        flush=True,
+    )
+
+    trials, start, expected_done = [], time.perf_counter(), 0.0
+    try:
+        for i, (r, size, contender, expected) in enumerate(plan):
+            payload = {
+                "contender": contender,
+                "size": size,
+                "round": r,
+                "recipe": rec,
+                "warmup": warmups[size],
+                "steps": steps[size],
+                "loss_steps": loss_steps[size] if r == 0 else 0,
+                "eval_questions": args.eval_questions,
+                "patch_size": args.patch_size,
+                "tokenizer": tokenizer_dir,
+                "labels": labels,
+                "out": tempfile.mkdtemp(dir=work),
+            }
+            t = _subprocess(payload, cache)
+            trials.append(t)
+            expected_done += expected
+            elapsed = time.perf_counter() - start
+            left = sum(p[3] for p in plan[i + 1 :]) * elapsed / expected_done  # the estimate, scaled by this machine
+            split = ", ".join(f"{p.replace('_', ' ')} {t['split'][p]:.0%}" for p in PARTS)
+            loss = f", eval loss {t['eval_loss']:.3f}" if t.get("eval_loss") is not None else ""
+            print(
+                f"round {r + 1} {size:>3} px {contender:>9}: {t['samples_per_s']:7.1f} samples/s ({split}), "
+                f"peak {t['peak_memory_mib']:.0f} MiB{loss}; {elapsed / 60:.1f} min so far, about "
+                f"{left / 60:.0f} min left",
+                flush=True,
+            )
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+    rows, speedups = summarise(trials, args)
+    checks = parameter_check(trials)
+    info["trial_torch_threads"] = sorted({t["torch_threads"] for t in trials})
+    table = markdown(rows, speedups, checks, args, info, rec, settings)
+    print("\n" + table)
+    report = {"arguments": asdict(args), "recipe": rec, "settings": settings, "machine": info}
+    report |= {"rows": rows, "speedups": speedups, "parameter_check": checks, "trials": trials}
+    report["wall_s"] = time.perf_counter() - start
+    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
+    with open(args.output + ".json", "w") as f:
+        json.dump(report, f, indent=2)
+    with open(args.output + ".md", "w") as f:
+        f.write(table + "\n")
+    plot(rows, args, args.output + ".png")
+    return report
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 4 and sys.argv[1] == "--_worker":
+        with open(sys.argv[3], "w") as f:
+            json.dump(run_trial(json.loads(sys.argv[2])), f)
+    else:
+        main()
