@@ -28,24 +28,24 @@ How the training cost of mm_fusion grows with the work, in three tables, each fr
    `prepare_dataset` call, which covers the validation and decode + resize of every image, the tokenisation of every
    question and writing both to the Arrow cache (loading easy-VQA, timed apart, is not included).
 3. Fusion attention: SDPA against `nn.MultiheadAttention`. One text stream block of the default fusion layer (text
-   self-attention, text-to-image cross-attention and the MLP, width 128, 4 heads, pre-LayerNorm, as
+   self-attention, text-to-image cross-attention and the MLP, the recipe's width and heads, pre-LayerNorm, as
    `MMFusionStreamBlock`) taken from the default model built as in table 1 (`attn_implementation` "sdpa", what the
-   model picks by default, or "eager" through `_from_config(config, attn_implementation="eager")`), against the
-   same block built the seed way: `nn.MultiheadAttention(128, 4, batch_first=True)` for both attentions, called as
+   model picks by default, or "eager" through `_from_config(config, attn_implementation="eager")`), against the same
+   block built the seed way: `nn.MultiheadAttention(width, heads, batch_first=True)` for both attentions, called as
    `attn(q, k, v)` (so with the default `need_weights=True`), each sub-layer with a residual and a LayerNorm after
-   (`benchmark_training_step.SeedFusionLayer`). The parameter counts are printed and must agree within 1%. Input:
-   64 texts of T tokens (64 / 128 / 512) attending to 65 image tokens (the default 64 px image: 64 patches + class
-   token), one image row per text (the optional contender `sdpa_shared` passes 7 images and `image_index` as training
-   does), an all-ones text mask passed to the self-attention (the model always passes the attention mask), inputs
-   that require grad, training mode (dropout 0.1). A timed iteration is forward, `out.pow(2).mean()`, backward and
-   `zero_grad`; `warmup` untimed iterations, then the median of `iterations` timed ones (by default 10, fewer at
-   T = 512, at least 5, the same for every block). Memory: each setting runs in a fresh process; on CPU the peak
-   RSS growth is the process's high-water mark (`VmHWM`, reset through `/proc/self/clear_refs` just before the
-   block; without that reset the lifetime peak `ru_maxrss`, which the JSON notes) minus its RSS (`VmRSS`) measured
-   just before the first iteration, once the block and its inputs exist; on a GPU it is
-   `torch.cuda.max_memory_allocated` (peak stats reset there) minus `memory_allocated` at that point.
-   The table gives the growth by the end of the first (warm-up) iteration, the working memory of one forward +
-   backward, and by the end of all iterations, which adds what the allocator kept and fragmented between them.
+   (`benchmark_training_step.SeedFusionLayer`). The parameter counts are printed and must agree within 1%. Input: 64
+   texts of T tokens (64 / 128 / 512) attending to 65 image tokens (the default 64 px image: 64 patches + class token),
+   one image row per text (the optional contender `sdpa_shared` passes 7 images and `image_index` as training does), an
+   all-ones text mask passed to the self-attention (the model always passes the attention mask), inputs that require
+   grad, training mode (the recipe's dropout). A timed iteration is forward, `out.pow(2).mean()`, backward and
+   `zero_grad`; `warmup` untimed iterations, then the median of `iterations` timed ones (by default 10, fewer at T =
+   512, at least 5, the same for every block). Memory: each setting runs in a fresh process; on CPU the peak RSS growth
+   is the process's high-water mark (`VmHWM`, reset through `/proc/self/clear_refs` just before the block; without that
+   reset the lifetime peak `ru_maxrss`, which the JSON notes) minus its RSS (`VmRSS`) measured just before the first
+   iteration, once the block and its inputs exist; on a GPU it is `torch.cuda.max_memory_allocated` (peak stats reset
+   there) minus `memory_allocated` at that point. The table gives the growth by the end of the first (warm-up)
+   iteration, the working memory of one forward + backward, and by the end of all iterations, which adds what the
+   allocator kept and fragmented between them.
 
 Rounds. Each table's settings (or contenders) run `--rounds` times; the trials go round by round (every round covers
 every table and setting) and their order rotates from round to round; the tables give medians with min-max over the
@@ -779,6 +779,8 @@ def summarise(trials: list[dict], args: BenchmarkArguments) -> dict:
                         ),
                         "time_vs_sdpa": median / statistics.median(reference) if reference else None,
                         "memory_method": sorted({t["memory_method"] for t in mine}),
+                        "hidden_size": mine[0]["hidden_size"],
+                        "heads": mine[0]["heads"],
                     }
                 )
         tables["attention"] = rows
@@ -871,7 +873,9 @@ def markdown(tables: dict, args: BenchmarkArguments, info: dict, rec: dict, voca
         lines += [
             "",
             f"**3. One fusion block: SDPA against `nn.MultiheadAttention`.** Text self-attention + text-to-image "
-            f"cross-attention + MLP, width 128, 4 heads, {args.attention_texts} texts of T tokens attending to 65 "
+            f"cross-attention + MLP, width {tables['attention'][0]['hidden_size']}, "
+            f"{tables['attention'][0]['heads']} heads, "
+            f"{args.attention_texts} texts of T tokens attending to 65 "
             "image tokens (64 px image: 64 patches + class token), one image per text unless said, all-ones text "
             f"mask, training mode, fp32. Parameters: {counts}. {args.attention_warmup} warm-up + the timed "
             f"iterations of the table (forward + `pow(2).mean()` + backward) per trial; memory: {memory}.",

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from mm_fusion.training import ModelArguments
+
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "benchmark_costs.py"
 LABELS = [str(i) for i in range(13)]
@@ -67,7 +69,9 @@ def test_blocks_match(bench):
 def test_attention_trial(bench, contender):
     payload = {"contender": contender, "text_length": 8, "texts": 8, "warmup": 1, "iterations": 2, "round": 0}
     t = bench.run_attention_trial({**payload, "vocab_size": 74, "labels": LABELS, "seed": 0})
-    assert t["image_tokens"] == 65 and t["hidden_size"] == 128 and t["heads"] == 4
+    recipe = ModelArguments()
+    assert t["image_tokens"] == 65
+    assert (t["hidden_size"], t["heads"]) == (recipe.hidden_size, recipe.num_attention_heads)
     assert t["images"] == (7 if contender == "sdpa_shared" else 8)
     assert len(t["iteration_s"]) == 3 and t["median_s"] > 0
     assert math.isfinite(t["memory_growth_mib"]) and t["memory_growth_mib"] >= t["first_iteration_memory_growth_mib"]
