@@ -150,6 +150,8 @@ def test_report(bench):
                     "first_iteration_memory_growth_mib": 100.0,
                     "memory_method": "VmHWM (reset) - VmRSS",
                     "torch_threads": 2,
+                    "hidden_size": 96,
+                    "heads": 4,
                 }
             )
     tables = bench.summarise(trials, args)
@@ -158,6 +160,7 @@ def test_report(bench):
     info = {"cores": 2, "cpu": "cpu", "gpu": None, "torch": "2", "transformers": "5", "trial_torch_threads": [2]}
     text = bench.markdown(tables, args, info, bench.recipe(), 74, {"mm_fusion": 264832, "seed": 264576})
     assert text.startswith("Machine: 2 cores (cpu), no GPU")
+    assert "cross-attention + MLP, width 96, 4 heads" in text
     assert "hierarchical fusion (text_to_image), hidden 128, 4 heads, 2 vision + 2 text + 2 fusion layers" in text
     for header in ("**1. Training cost", "**2. Preprocessing", "**3. One fusion block"):
         assert header in text
