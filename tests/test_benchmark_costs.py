@@ -161,7 +161,10 @@ def test_report(bench):
     text = bench.markdown(tables, args, info, bench.recipe(), 74, {"mm_fusion": 264832, "seed": 264576})
     assert text.startswith("Machine: 2 cores (cpu), no GPU")
     assert "cross-attention + MLP, width 96, 4 heads" in text
-    assert "hierarchical fusion (text_to_image), hidden 128, 4 heads, 2 vision + 2 text + 2 fusion layers" in text
+    m = ModelArguments()
+    layers = f"{m.vision_layers} vision + {m.text_layers} text + {m.fusion_layers} fusion layers"
+    width = f"hidden {m.hidden_size}, {m.num_attention_heads} heads"
+    assert f"hierarchical fusion (text_to_image), {width}, {layers}" in text
     for header in ("**1. Training cost", "**2. Preprocessing", "**3. One fusion block"):
         assert header in text
     assert "| 64 | 64 | 64 | 4,096 + 455 | 10 | 160 (160–160) |" in text
