@@ -164,8 +164,8 @@ class MMFusionForPretrainingOutput(ModelOutput):
         itc_loss (`torch.FloatTensor` of shape `()`):
             Symmetric image-text contrastive loss.
         itm_loss (`torch.FloatTensor` of shape `()`):
-            Image-text matching loss over the positive pairs and one hard negative per image and per text (`None`
-            when `itm_loss_weight` is 0).
+            Image-text matching loss over the positive pairs and one hard negative per image and per text, drawn from
+            the global batch (all ranks' pairs) (`None` when `itm_loss_weight` is 0).
         logits_per_image (`torch.FloatTensor` of shape `(M, G_texts)`):
             Scaled cosine similarity of each local image with every text (of the global batch).
         logits_per_text (`torch.FloatTensor` of shape `(N, G_images)`):
@@ -204,6 +204,40 @@ class MMFusionForPretrainingOutput(ModelOutput):
     text_to_image_attentions: tuple[torch.FloatTensor, ...] | None = None
     fusion_image_self_attentions: tuple[torch.FloatTensor, ...] | None = None
     image_to_text_attentions: tuple[torch.FloatTensor, ...] | None = None
+
+
+@dataclass
+class MMFusionEncodingOutput(ModelOutput):
+    """
+    Output of [`MMFusionModel.encode`]: both towers run once, before any fusion. `M` images, `N` texts.
+
+    Args:
+        image_embeds (`torch.FloatTensor` of shape `(M, projection_dim)`):
+            Pooled and projected image embeddings, not normalised (`(M, vision_config.hidden_size)`, unprojected,
+            when the model has no projections), as `get_image_features` gives them.
+        text_embeds (`torch.FloatTensor` of shape `(N, projection_dim)`):
+            The same for the texts, pooled over their real tokens.
+        image_features (`list[torch.FloatTensor]`):
+            What [`MMFusionModel.fuse`] reads of the vision tower: one `(M, P, vision_config.hidden_size)` map per
+            bridge layer (`"hierarchical"`), or the last one only.
+        text_features (`list[torch.FloatTensor]`):
+            The same of the text tower, each `(N, T, text_config.hidden_size)`.
+        text_hidden_states, vision_hidden_states, text_attentions, vision_attentions (`tuple(torch.FloatTensor)`):
+            The towers' hidden states / attentions when requested, as in [`MMFusionModelOutput`].
+        vision_model_output, text_model_output (`ModelOutput`):
+            Raw outputs of the towers.
+    """
+
+    image_embeds: torch.FloatTensor | None = None
+    text_embeds: torch.FloatTensor | None = None
+    image_features: list[torch.FloatTensor] | None = None
+    text_features: list[torch.FloatTensor] | None = None
+    text_hidden_states: tuple[torch.FloatTensor, ...] | None = None
+    vision_hidden_states: tuple[torch.FloatTensor, ...] | None = None
+    text_attentions: tuple[torch.FloatTensor, ...] | None = None
+    vision_attentions: tuple[torch.FloatTensor, ...] | None = None
+    vision_model_output: ModelOutput | None = None
+    text_model_output: ModelOutput | None = None
 
 
 @dataclass
@@ -807,6 +841,41 @@ class MMFusionModel(MMFusionPreTrainedModel):
             text_features = [text_out.last_hidden_state]
         return vision_out, text_out, image_features, text_features
 
+    def encode(
+        self,
+        pixel_values: torch.Tensor,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        token_type_ids: torch.Tensor | None = None,
+        output_attentions: bool = False,
+        output_hidden_states: bool = False,
+    ) -> MMFusionEncodingOutput:
+        r"""
+        Run both towers once and pool / project their outputs: everything before fusion. Pass `image_features` /
+        `text_features` to [`~MMFusionModel.fuse`] to fuse any pairs of these images and texts without re-running the
+        towers (e.g. positives and hard negatives); `image_embeds` / `text_embeds` are the contrastive embeddings.
+
+        Args:
+            pixel_values, input_ids, attention_mask, token_type_ids, output_attentions, output_hidden_states:
+                As in [`MMFusionModel.forward`]; images and texts need not pair up here (`M` and `N` may differ).
+
+        Returns:
+            [`MMFusionEncodingOutput`].
+        """
+        _check_inputs(self.config, pixel_values, input_ids, paired=False)
+        vision_out, text_out, image_features, text_features = self.encode_towers(
+            pixel_values, input_ids, attention_mask, token_type_ids, output_attentions, output_hidden_states
+        )
+        return MMFusionEncodingOutput(
+            image_embeds=self.embed_image(vision_out),
+            text_embeds=self.embed_text(text_out, attention_mask),
+            image_features=image_features,
+            text_features=text_features,
+            **self.tower_fields(vision_out, text_out, output_attentions, output_hidden_states),
+            vision_model_output=vision_out,
+            text_model_output=text_out,
+        )
+
     def normalize_pixels(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """
         uint8 images in [0, 255] (as the data collator delivers them, 4x less to copy to the device than float) are
@@ -844,11 +913,26 @@ class MMFusionModel(MMFusionPreTrainedModel):
         output_attentions: bool = False,
         output_hidden_states: bool = False,
     ) -> MMFusionModelOutput:
-        """
-        Fuse tower features. `image_index` / `text_index` (shape `(N,)`) pick which image and which text form each of
-        the N fused pairs, so one image's tower features serve every question about it and hard negatives reuse
-        the towers' work. Fills the fused states and pooled vectors, and the `fusion_*` / cross-attention fields when
-        requested (always one entry per pair).
+        r"""
+        Fuse tower features into pairs: the fusion block (or, for `"late"`, the projections) and the joint pooling.
+
+        Args:
+            image_features (`list[torch.FloatTensor]`):
+                `MMFusionEncodingOutput.image_features` of [`~MMFusionModel.encode`]: one `(M, P, width)` map per
+                bridge layer.
+            text_features (`list[torch.FloatTensor]`):
+                `MMFusionEncodingOutput.text_features`: one `(N_texts, T, width)` map per bridge layer.
+            attention_mask (`torch.LongTensor` of shape `(N_texts, T)`, *optional*):
+                The texts' mask (1 = real token); padding is masked in every cross-attention and in the pooling.
+            image_index, text_index (`torch.LongTensor` of shape `(N,)`, *optional*):
+                Which image and which text form each of the N fused pairs (defaults: row i with row i), so that one
+                image's tower features serve every text about it and hard negatives reuse the towers' work.
+            output_attentions, output_hidden_states (`bool`, *optional*, defaults to `False`):
+                Fill the `fusion_*` / cross-attention fields (one entry per pair).
+
+        Returns:
+            [`MMFusionModelOutput`] with the fused states, pooled vectors and `pooler_output` of the N pairs (the
+            tower fields are left `None`).
         """
         # One-way fusion keeps one set of image features per image (shared keys / values); otherwise each pair
         # needs its own copy, since its image stream is updated by its text.
@@ -1176,6 +1260,13 @@ class MMFusionForImageTextClassification(MMFusionPreTrainedModel):
             )
 
 
+def _world() -> tuple[int, int]:
+    """World size and rank of the default process group; `(1, 0)` without one."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_world_size(), torch.distributed.get_rank()
+    return 1, 0
+
+
 def _gather_with_grad(x: torch.Tensor) -> tuple[torch.Tensor, int]:
     """All-gather `x` along dim 0 across ranks keeping gradients; returns it and this rank's offset into it."""
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
@@ -1188,12 +1279,81 @@ def _gather_with_grad(x: torch.Tensor) -> tuple[torch.Tensor, int]:
     return torch.cat(all_gather(x), dim=0), torch.distributed.get_rank() * x.shape[0]
 
 
+def _pad_to(x: torch.Tensor, shape: list[int]) -> torch.Tensor:
+    """Zero-pad `x` at the end of each dimension up to `shape`."""
+    pads = []
+    for size, target in zip(reversed(x.shape), reversed(shape)):
+        pads += [0, target - size]
+    return F.pad(x, pads) if any(pads) else x
+
+
+def _gather_itm_inputs(
+    image_features: list[torch.Tensor],
+    text_features: list[torch.Tensor],
+    attention_mask: torch.Tensor | None,
+    image_embeds: torch.Tensor,
+    text_embeds: torch.Tensor,
+) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor | None, torch.Tensor, torch.Tensor, int]:
+    """
+    The global batch ITM draws negatives from: every rank's tower features and text masks, all-gathered with their
+    gradient (texts zero-padded to the longest length of any rank, batches of any size), the normalised embeddings
+    (without gradient), and this rank's offset into them. The inputs themselves in a single process.
+    """
+    world, rank = _world()
+    if world == 1:
+        return image_features, text_features, attention_mask, image_embeds, text_embeds, 0
+    from torch.distributed.nn.functional import all_gather
+
+    B, T = text_features[0].shape[:2]
+    shape = torch.tensor([B, T], device=image_embeds.device)
+    shapes = [torch.empty_like(shape) for _ in range(world)]
+    torch.distributed.all_gather(shapes, shape)
+    rows = [int(s[0]) for s in shapes]
+    max_rows, max_length = max(rows), max(int(s[1]) for s in shapes)
+    if attention_mask is None:
+        attention_mask = torch.ones(B, T, dtype=torch.long, device=text_features[0].device)
+
+    def gather(x: torch.Tensor, length: int | None = None) -> torch.Tensor:
+        target = [max_rows, *x.shape[1:]]
+        if length is not None:
+            target[1] = length
+        parts = all_gather(_pad_to(x.contiguous(), target))
+        return torch.cat([part[:n] for part, n in zip(parts, rows)], dim=0)
+
+    with torch.no_grad():
+        all_image_embeds, all_text_embeds = gather(image_embeds), gather(text_embeds)
+    return (
+        [gather(f) for f in image_features],
+        [gather(f, max_length) for f in text_features],
+        gather(attention_mask, max_length),
+        all_image_embeds,
+        all_text_embeds,
+        sum(rows[:rank]),
+    )
+
+
+def _shared_seed(device: torch.device) -> int:
+    """A seed drawn from the global torch RNG on every rank and broadcast from rank 0, so all ranks use the same."""
+    seed = torch.randint(0, 2**62, (1,), dtype=torch.int64)
+    if _world()[0] > 1:
+        seed = seed.to(device)
+        torch.distributed.broadcast(seed, src=0)
+    return int(seed.item())
+
+
 class MMFusionForPretraining(MMFusionPreTrainedModel):
     r"""
     MMFusion with the two pretraining objectives: image-text contrastive learning (ITC) on the towers' projected
     embeddings, with a learnable temperature clamped to `max_logit_scale` and features gathered across ranks with
-    their gradient; and image-text matching (ITM) on the fused representation, with one in-batch hard negative per
-    image and per text, sampled by ITC similarity (argmax in eval mode).
+    their gradient; and image-text matching (ITM) on the fused representation, with one hard negative per image and
+    per text drawn from the global batch (all ranks' pairs, as in ALBEF / BLIP) by ITC similarity (argmax in eval
+    mode).
+
+    The head is `MMFusionModel.encode` (towers, pooling, projections), the contrastive loss
+    ([`~MMFusionForPretraining.contrastive_loss`]) and `MMFusionModel.fuse` on the positives and hard negatives.
+    Under gradient accumulation, `MMFusionTrainer` makes ITC exact over all micro-batches with a gradient cache
+    (`itc_grad_cache`). ITM is not exact under accumulation: each micro-batch draws its negatives from that
+    micro-batch across ranks (B·W candidates, not k·B·W), and its loss is the mean over the micro-batches.
 
     Args:
         config ([`MMFusionConfig`]):
@@ -1258,33 +1418,28 @@ class MMFusionForPretraining(MMFusionPreTrainedModel):
             )
         output_attentions, output_hidden_states = self._output_flags(output_attentions, output_hidden_states)
         base = self.mm_fusion
-        vision_out, text_out, image_features, text_features = base.encode_towers(
+        encoded = base.encode(
             pixel_values, input_ids, attention_mask, token_type_ids, output_attentions, output_hidden_states
         )
-        image_embeds = F.normalize(base.embed_image(vision_out), dim=-1)
-        text_embeds = F.normalize(base.embed_text(text_out, attention_mask), dim=-1)
-
-        logit_scale = self.logit_scale.clamp(max=math.log(self.config.max_logit_scale)).exp()
-        all_image_embeds, offset = _gather_with_grad(image_embeds)
-        all_text_embeds, _ = _gather_with_grad(text_embeds)
-        logits_per_image = logit_scale * image_embeds @ all_text_embeds.t()  # (M, G_texts)
-        logits_per_text = logit_scale * text_embeds @ all_image_embeds.t()  # (N, G_images)
-        extra = base.tower_fields(vision_out, text_out, output_attentions, output_hidden_states)
+        image_embeds = F.normalize(encoded.image_embeds, dim=-1)
+        text_embeds = F.normalize(encoded.text_embeds, dim=-1)
+        extra = {name: getattr(encoded, name) for name in TOWER_OUTPUT_FIELDS}
         fusion_kwargs = {"output_attentions": output_attentions, "output_hidden_states": output_hidden_states}
 
         loss = itc_loss = itm_loss = itm_logits = fused = None
         if return_loss:
-            targets = torch.arange(N, device=input_ids.device) + offset
-            itc_loss = (F.cross_entropy(logits_per_image, targets) + F.cross_entropy(logits_per_text, targets)) / 2
+            itc_loss, logits_per_image, logits_per_text = self.contrastive_loss(image_embeds, text_embeds)
             loss = self.config.itc_loss_weight * itc_loss
             if self.config.itm_loss_weight > 0:
                 itm_loss, itm_logits, fused = self._itm(
-                    base, image_features, text_features, attention_mask, image_embeds, text_embeds, fusion_kwargs
+                    encoded, attention_mask, image_embeds, text_embeds, fusion_kwargs
                 )
                 loss = loss + self.config.itm_loss_weight * itm_loss
-        elif M == N:
-            fused = base.fuse(image_features, text_features, attention_mask, **fusion_kwargs)
-            itm_logits = self.itm_head(fused.pooler_output)
+        else:
+            logits_per_image, logits_per_text, _ = self._contrastive_logits(image_embeds, text_embeds, gather=True)
+            if M == N:
+                fused = base.fuse(encoded.image_features, encoded.text_features, attention_mask, **fusion_kwargs)
+                itm_logits = self.itm_head(fused.pooler_output)
         if fused is not None:
             extra.update((name, getattr(fused, name)) for name in FUSION_OUTPUT_FIELDS)
         return MMFusionForPretrainingOutput(
@@ -1299,30 +1454,64 @@ class MMFusionForPretraining(MMFusionPreTrainedModel):
             **extra,
         )
 
-    def _itm(self, base, image_features, text_features, attention_mask, image_embeds, text_embeds, fusion_kwargs):
+    def contrastive_loss(
+        self, image_embeds: torch.Tensor, text_embeds: torch.Tensor, gather: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        r"""
+        The symmetric image-text contrastive loss (ITC): cross-entropy of each image over the texts and of each text
+        over the images, averaged, with the learnable temperature.
+
+        Args:
+            image_embeds, text_embeds (`torch.FloatTensor` of shape `(B, projection_dim)`):
+                L2-normalised embeddings; row i of each forms a pair.
+            gather (`bool`, *optional*, defaults to `True`):
+                Score the rows against those of every rank, all-gathered with their gradient (a no-op in a single
+                process). `False` scores the given rows only, e.g. a batch gathered already.
+
+        Returns:
+            The loss (mean over this rank's rows), `logits_per_image` `(B, G)` and `logits_per_text` `(B, G)`.
         """
-        ITM loss over the B positive pairs, each image with a hard negative text and each text with a hard negative
-        image, fused in one pass over tower features computed once; returns it, the positives' logits and the
-        fusion output of the positive pairs.
+        logits_per_image, logits_per_text, offset = self._contrastive_logits(image_embeds, text_embeds, gather)
+        targets = torch.arange(image_embeds.shape[0], device=image_embeds.device) + offset
+        loss = (F.cross_entropy(logits_per_image, targets) + F.cross_entropy(logits_per_text, targets)) / 2
+        return loss, logits_per_image, logits_per_text
+
+    def _contrastive_logits(
+        self, image_embeds: torch.Tensor, text_embeds: torch.Tensor, gather: bool
+    ) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Scaled cosine similarities of the local rows with every (gathered) row, and this rank's offset."""
+        logit_scale = self.logit_scale.clamp(max=math.log(self.config.max_logit_scale)).exp()
+        all_image_embeds, offset = _gather_with_grad(image_embeds) if gather else (image_embeds, 0)
+        all_text_embeds, _ = _gather_with_grad(text_embeds) if gather else (text_embeds, 0)
+        logits_per_image = logit_scale * image_embeds @ all_text_embeds.t()  # (M, G_texts)
+        logits_per_text = logit_scale * text_embeds @ all_image_embeds.t()  # (N, G_images)
+        return logits_per_image, logits_per_text, offset
+
+    def _itm(self, encoded, attention_mask, image_embeds, text_embeds, fusion_kwargs):
+        """
+        ITM loss over this rank's B positive pairs, each image with a hard negative text and each text with a hard
+        negative image from the global batch, fused in one pass over the (gathered) tower features; returns it (the
+        mean over this rank's pairs), the positives' logits and the fusion output of the positive pairs.
         """
         B = image_embeds.shape[0]
-        idx = torch.arange(B, device=image_embeds.device)
-        if B > 1:
-            negative_text, negative_image = self._hard_negatives(image_embeds, text_embeds)
-            image_index = torch.cat([idx, idx, negative_image])
-            text_index = torch.cat([idx, negative_text, idx])
+        image_features, text_features, mask, all_image_embeds, all_text_embeds, offset = _gather_itm_inputs(
+            encoded.image_features, encoded.text_features, attention_mask, image_embeds, text_embeds
+        )
+        rows = torch.arange(B, device=image_embeds.device) + offset
+        if all_image_embeds.shape[0] > 1:
+            negative_text, negative_image = self._hard_negatives(all_image_embeds, all_text_embeds, rows)
+            image_index = torch.cat([rows, rows, negative_image])
+            text_index = torch.cat([rows, negative_text, rows])
         else:
-            image_index = text_index = idx
-        fused = base.fuse(
-            image_features,
-            text_features,
-            attention_mask,
-            image_index=image_index,
-            text_index=text_index,
-            **fusion_kwargs,
+            image_index = text_index = rows
+        itm_labels = (image_index == text_index).long()
+        if all_image_embeds.shape[0] > B:  # the global batch: fuse only the images the pairs use
+            used, image_index = torch.unique(image_index, return_inverse=True)
+            image_features = [f[used] for f in image_features]
+        fused = self.mm_fusion.fuse(
+            image_features, text_features, mask, image_index=image_index, text_index=text_index, **fusion_kwargs
         )
         all_itm_logits = self.itm_head(fused.pooler_output)
-        itm_labels = (image_index == text_index).long()
         # The fused pairs are [positives, image + negative text, negative image + text]: keep the positives'.
         for name in FUSION_OUTPUT_FIELDS:
             if getattr(fused, name) is not None:
@@ -1331,17 +1520,22 @@ class MMFusionForPretraining(MMFusionPreTrainedModel):
 
     @torch.no_grad()
     def _hard_negatives(
-        self, image_embeds: torch.Tensor, text_embeds: torch.Tensor
+        self, image_embeds: torch.Tensor, text_embeds: torch.Tensor, rows: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """For each image a negative text and for each text a negative image, drawn by similarity (no positives)."""
-        sim = image_embeds.float() @ text_embeds.float().t()  # (B, B), rows = images
+        """
+        For the images and texts at `rows` of the (global) batch, a negative text and a negative image, indices into
+        that batch, by similarity, never the positive. Training samples them for every row of the global batch with a
+        generator seeded alike on all ranks and keeps `rows`, so the draws do not depend on how the batch is split
+        over ranks; eval takes the most similar.
+        """
+        sim = image_embeds.float() @ text_embeds.float().t()  # (G, G), rows = images
         sim.fill_diagonal_(float("-inf"))
-        if self.training:
-            negative_text = torch.multinomial(F.softmax(sim, dim=1), 1).squeeze(1)
-            negative_image = torch.multinomial(F.softmax(sim.t(), dim=1), 1).squeeze(1)
-        else:
-            negative_text, negative_image = sim.argmax(dim=1), sim.argmax(dim=0)
-        return negative_text, negative_image
+        if not self.training:
+            return sim[rows].argmax(dim=1), sim.t()[rows].argmax(dim=1)
+        generator = torch.Generator(device=sim.device).manual_seed(_shared_seed(sim.device))
+        negative_text = torch.multinomial(F.softmax(sim, dim=1), 1, generator=generator).squeeze(1)
+        negative_image = torch.multinomial(F.softmax(sim.t(), dim=1), 1, generator=generator).squeeze(1)
+        return negative_text[rows], negative_image[rows]
 
 
 __all__ = [

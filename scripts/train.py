@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 import yaml
 from torch.distributed.elastic.multiprocessing.errors import record
@@ -24,6 +25,7 @@ from transformers.utils import logging as hf_logging
 
 from mm_fusion import MMFusionImageProcessor, MMFusionProcessor, train_tokenizer
 from mm_fusion.data import ImageTextCollator, PreparedData, prepare_dataset
+from mm_fusion.data.sort_of_clevr import vocabulary_texts as sort_of_clevr_texts
 from mm_fusion.training import (
     DataArguments,
     MMFusionTrainer,
@@ -98,6 +100,19 @@ def build_model(model_args, data_args, tokenizer, labels, image_size):
     """From an MMFusion checkpoint, from pretrained towers, or from scratch."""
     cls = model_class(model_args.task)
     if model_args.model_name_or_path:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(model_args.model_name_or_path)
+        if labels is not None and "MMFusionForPretraining" in (config.architectures or []):
+            # A pretraining checkpoint has no classifier: its towers, fusion and tokenizer start this run, with a new
+            # head for these labels (its ITC projections and ITM head are left behind).
+            label2id = {name: i for i, name in enumerate(labels)}
+            return cls.from_pretrained(
+                model_args.model_name_or_path,
+                num_labels=len(labels),
+                id2label=dict(enumerate(labels)),
+                label2id=label2id,
+            )
         model = cls.from_pretrained(model_args.model_name_or_path)
         if labels is not None and model.config.num_labels != len(labels):
             raise ValueError(
@@ -144,13 +159,21 @@ def build_trainer(argv: list[str] | None = None) -> tuple[MMFusionTrainer, Run]:
     start = time.perf_counter()
     task = model_args.task
 
-    data = load_raw_datasets(data_args, seed=training_args.seed)
+    data = load_raw_datasets(data_args, seed=training_args.seed, task=task)
     check_columns(data, data_args, task)
     check_eval_data(data, data_args, training_args)
     labels = None
     if task != "pretrain":
         data, labels = encode_labels(data, data_args.label_column)
-    tokenizer = build_tokenizer(model_args, data["train"][data_args.text_column], training_args, resume)
+    group_columns = [c.strip() for c in (data_args.eval_group_columns or "").split(",") if c.strip()]
+    if group_columns and task == "pretrain":
+        raise ValueError("--eval_group_columns reports accuracy per group, for vqa / classify; not for pretrain.")
+    texts = list(data["train"][data_args.text_column])
+    if data_args.dataset == "sort_of_clevr":
+        # Its vocabulary is fixed by the generator: a tokenizer trained on captions then covers the questions it is
+        # fine-tuned on, and the other way round.
+        texts += sort_of_clevr_texts()
+    tokenizer = build_tokenizer(model_args, texts, training_args, resume)
     image_size = data_args.image_size or 64
     model = build_model(model_args, data_args, tokenizer, labels, image_size)
     if labels is not None:  # class ids: scores are read with a softmax, and the pipelines read this from the config
@@ -163,6 +186,7 @@ def build_trainer(argv: list[str] | None = None) -> tuple[MMFusionTrainer, Run]:
         text_column=data_args.text_column,
         id_column=data_args.id_column,
         label_column=data_args.label_column if task != "pretrain" else None,
+        keep_columns=tuple(group_columns),
         image_size=image_size,
         data_root=data_args.data_root,
         max_length=data_args.max_length,
@@ -200,8 +224,20 @@ def build_trainer(argv: list[str] | None = None) -> tuple[MMFusionTrainer, Run]:
     else:
         metric, main_metric = load_metric("accuracy"), "accuracy"
 
+        # Evaluation predictions come in the order of the evaluation pairs, so each can be given its group.
+        groups = {c: np.asarray(eval_pairs[c]) for c in group_columns} if eval_pairs is not None else {}
+
         def compute_metrics(prediction):
-            return metric.compute(predictions=prediction.predictions, references=prediction.label_ids)
+            predictions, references = prediction.predictions, prediction.label_ids
+            results = metric.compute(predictions=predictions, references=references)
+            for column, values in groups.items():
+                if len(values) != len(predictions):
+                    raise ValueError(f"{len(predictions)} predictions for {len(values)} evaluation pairs.")
+                for value in sorted(set(values.tolist())):
+                    rows = values == value
+                    accuracy = metric.compute(predictions=predictions[rows], references=references[rows])
+                    results[f"accuracy_{value}"] = accuracy["accuracy"]
+            return results
 
         def preprocess_logits(logits, labels):
             return (logits[0] if isinstance(logits, tuple) else logits).argmax(-1)

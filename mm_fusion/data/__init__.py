@@ -3,6 +3,7 @@
 from ..image_processing_mm_fusion import BadSample, load_image, load_pixels, to_rgb
 from .collator import AlignmentError, ImageTextCollator, uint8_pixels
 from .preprocessing import PreparedData, image_key, prepare_dataset, prepare_images, prepare_texts
+from .sort_of_clevr import load_sort_of_clevr
 from .sources import load_easy_vqa, load_pairs
 
 
@@ -15,6 +16,7 @@ __all__ = [
     "load_easy_vqa",
     "load_image",
     "load_pixels",
+    "load_sort_of_clevr",
     "load_pairs",
     "prepare_dataset",
     "prepare_images",

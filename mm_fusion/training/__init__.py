@@ -21,6 +21,7 @@ from .checkpoints import (
     load_checkpoint_weights,
     resolve_resume_checkpoint,
 )
+from .grad_cache import ITCGradCache, build_itc_cache, cached_micro_batch_loss, train_window
 from .launch import check_launch, model_card_context
 from .metrics import load_metric
 from .model_card import plot_training_curves, write_model_card
@@ -31,6 +32,7 @@ from .trainer import MMFusionTrainer
 __all__ = [
     "CheckpointError",
     "DataArguments",
+    "ITCGradCache",
     "MMFusionImageGroupedSampler",
     "MMFusionLengthGroupedSampler",
     "MMFusionMonitorCallback",
@@ -39,6 +41,8 @@ __all__ = [
     "ModelArguments",
     "add_monitor",
     "build_config",
+    "build_itc_cache",
+    "cached_micro_batch_loss",
     "check_columns",
     "check_eval_data",
     "check_launch",
@@ -53,5 +57,6 @@ __all__ = [
     "plot_training_curves",
     "resolve_resume_checkpoint",
     "split_off_eval",
+    "train_window",
     "write_model_card",
 ]

@@ -100,8 +100,23 @@ class DataArguments:
     dataset: str = field(
         default="easy_vqa",
         metadata={
-            "help": "easy_vqa (bundled, offline), a json/jsonl/csv file of pairs, an imagefolder directory with "
+            "help": "easy_vqa (bundled, offline), sort_of_clevr (relational VQA and captions, generated offline; "
+            "see mm_fusion.data.load_sort_of_clevr), a json/jsonl/csv file of pairs, an imagefolder directory with "
             "metadata.jsonl, or a hub dataset name."
+        },
+    )
+    dataset_options: str | None = field(
+        default=None,
+        metadata={
+            "help": "sort_of_clevr: generator options as key=value,key=value (e.g. num_train_images=5000,seed=1); "
+            "the arguments of mm_fusion.data.load_sort_of_clevr."
+        },
+    )
+    eval_group_columns: str | None = field(
+        default=None,
+        metadata={
+            "help": "vqa / classify: also report evaluation accuracy per value of these columns (comma-separated), "
+            "as eval_accuracy_<value>. sort_of_clevr default: question_type,question_family."
         },
     )
     eval_dataset: str | None = field(
@@ -197,6 +212,17 @@ class MMFusionTrainingArguments(TrainingArguments):
     )
     peak_tflops: float | None = field(
         default=None, metadata={"help": "Peak TFLOP/s of one device for the MFU (default: looked up by GPU name)."}
+    )
+    itc_grad_cache: bool = field(
+        default=True,
+        metadata={
+            "help": "pretrain with gradient_accumulation_steps k > 1: a gradient cache makes the contrastive (ITC) "
+            "loss of each optimizer step contrast all k x per-device batch x processes pairs, with exactly the "
+            "gradients of one big batch and the activation memory of one micro-batch. Costs one extra forward pass "
+            "of the towers without gradient per micro-batch (scripts/benchmark_grad_cache.py). ITM negatives still "
+            "come from each micro-batch across processes. Off: each micro-batch's ITC sees its own pairs only. With "
+            "k = 1 it changes nothing (the features are gathered across processes anyway)."
+        },
     )
     cpu_threads: int | None = field(
         default=None,

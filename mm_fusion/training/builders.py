@@ -1,5 +1,6 @@
 """The pieces `scripts/train.py` assembles: datasets, labels, tokenizer, model and processor from the arguments."""
 
+import inspect
 import json
 import os
 import re
@@ -7,20 +8,44 @@ import re
 from datasets import ClassLabel, Dataset, DatasetDict, Json, Value
 
 from ..configuration_mm_fusion import MMFusionConfig
-from ..data import load_easy_vqa, load_pairs
+from ..data import load_easy_vqa, load_pairs, load_sort_of_clevr
 from .arguments import DataArguments, ModelArguments
 
 
 EASY_VQA_COLUMNS = {"image_column": "image", "text_column": "question", "label_column": "answer", "id_column": "id"}
+SORT_OF_CLEVR_COLUMNS = {
+    "image_column": "image",
+    "text_column": "question",
+    "label_column": "answer",
+    "id_column": "id",
+}
+SORT_OF_CLEVR_CAPTION_COLUMNS = {"image_column": "image", "text_column": "caption", "id_column": "id"}
 TEXT_TYPES = ("string", "large_string")
 
 
-def load_raw_datasets(data_args: DataArguments, seed: int = 42) -> DatasetDict:
-    """The training pairs and, when there are any, the evaluation pairs, as a `DatasetDict` with `train` / `eval`."""
-    if data_args.dataset == "easy_vqa":
+def load_raw_datasets(data_args: DataArguments, seed: int = 42, task: str = "vqa") -> DatasetDict:
+    """
+    The training pairs and, when there are any, the evaluation pairs, as a `DatasetDict` with `train` / `eval`.
+    `sort_of_clevr` gives its questions for vqa / classify and its captions (one per image) for pretrain.
+    """
+    if data_args.dataset_options and data_args.dataset != "sort_of_clevr":
+        raise ValueError(f"--dataset_options is for --dataset sort_of_clevr, not {data_args.dataset!r}.")
+    if data_args.dataset in ("easy_vqa", "sort_of_clevr"):
         splits = [data_args.train_split] + ([data_args.eval_split] if data_args.eval_split else [])
-        raw = load_easy_vqa(splits)
-        for key, value in EASY_VQA_COLUMNS.items():
+        if data_args.dataset == "easy_vqa":
+            raw, columns = load_easy_vqa(splits), EASY_VQA_COLUMNS
+        else:
+            options = parse_overrides(data_args.dataset_options, flag="--dataset_options")
+            captions = task == "pretrain"
+            known = set(inspect.signature(load_sort_of_clevr).parameters) - {"splits", "rows"}
+            unknown = sorted(set(options) - known)
+            if unknown:
+                raise ValueError(f"--dataset_options: unknown option(s) {unknown}; the options are {sorted(known)}.")
+            raw = load_sort_of_clevr(splits, rows="captions" if captions else "questions", **options)
+            columns = SORT_OF_CLEVR_CAPTION_COLUMNS if captions else SORT_OF_CLEVR_COLUMNS
+            if not captions and data_args.eval_group_columns is None:
+                data_args.eval_group_columns = "question_type,question_family"
+        for key, value in columns.items():
             if getattr(data_args, key) is None:
                 setattr(data_args, key, value)
         data = {"train": raw[data_args.train_split]}
@@ -143,13 +168,13 @@ def encode_labels(data: DatasetDict, label_column: str) -> tuple[DatasetDict, li
     return DatasetDict(encoded), names
 
 
-def parse_overrides(overrides: str | None) -> dict:
+def parse_overrides(overrides: str | None, flag: str = "--config_overrides") -> dict:
     """`key=value,key=value` into a dict, values read as JSON when they parse (numbers, booleans, lists)."""
     result = {}
     # Commas inside brackets belong to a list value: `text_bridge_layers=[0,1],projection_dim=64`.
     for item in filter(None, re.split(r",(?![^\[]*\])", overrides or "")):
         if "=" not in item:
-            raise ValueError(f"--config_overrides expects key=value pairs, got {item!r}.")
+            raise ValueError(f"{flag} expects key=value pairs, got {item!r}.")
         key, value = item.split("=", 1)
         try:
             result[key.strip()] = json.loads(value)

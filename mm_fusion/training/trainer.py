@@ -6,14 +6,20 @@ import os
 import torch
 from transformers import Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+from transformers.utils import logging
 
 from .checkpoints import load_checkpoint_weights
+from .grad_cache import build_itc_cache, cached_micro_batch_loss
 from .sampler import MMFusionImageGroupedSampler, MMFusionLengthGroupedSampler
 
 
 # Written into each checkpoint: the sum of every optimizer step's training loss up to it, so that a resumed run
 # reports the mean over the whole run (Trainer's `train_loss` averages only the steps of the current `train()` call).
 LOSS_TOTAL_FILE = "train_loss_total.json"
+# The pretraining loss terms logged next to the loss (training) and `eval_loss` (evaluation).
+LOSS_COMPONENTS = ("itc_loss", "itm_loss")
+
+logger = logging.get_logger(__name__)
 
 
 class MMFusionTrainer(Trainer):
@@ -25,8 +31,12 @@ class MMFusionTrainer(Trainer):
     - `train_sampling_strategy="group_by_length"` with an order seeded by the epoch
       ([`MMFusionLengthGroupedSampler`]), so that a resumed run draws the interrupted run's batches;
     - `eval_data_collator`: a collator for evaluation and prediction (the training one may augment);
-    - evaluation of [`MMFusionForPretraining`]: the loss (ITC + ITM) and, as predictions, the image and text
-      embeddings with each pair's image row as label, for retrieval Recall@K in `compute_metrics`;
+    - evaluation of [`MMFusionForPretraining`]: the loss (ITC + ITM, as in training; `eval_itc_loss` and
+      `eval_itm_loss` too) and, as predictions, the image and text embeddings with each pair's image row as label,
+      for retrieval Recall@K in `compute_metrics`; training logs carry `itc_loss` / `itm_loss` next to `loss`;
+    - `itc_grad_cache` (pretraining with gradient accumulation): a gradient cache ([`mm_fusion.training.grad_cache`])
+      makes the ITC loss of each optimizer step contrast all k·B·W pairs of its micro-batches on every rank, with
+      exact gradients and one micro-batch's activation memory, inside Trainer's own accumulation loop;
     - exact weight loading on resume and for `load_best_model_at_end` ([`load_checkpoint_weights`]): Trainer loads
       with `strict=False` and without the key renaming of `from_pretrained`, so a ViT tower saved under its legacy
       key names silently stayed at its random initialisation; a missing or unexpected key is now an error;
@@ -43,6 +53,12 @@ class MMFusionTrainer(Trainer):
         self.eval_data_collator = eval_data_collator
         self.resumed_from_step = None  # the global step of the checkpoint a run resumed from
         self._resumed_loss_sum = None  # and its summed step losses
+        self._window = None  # the micro-batches of the current optimizer step (pretraining with the ITC cache)
+        self._itc_cache = None
+        self._grad_cache_warned = False
+        self._train_components = {}  # summed ITC / ITM terms of the steps since the last log, scaled as the loss
+        self._components_since_step = 0
+        self._eval_components = None  # per-sample ITC / ITM losses of the running evaluation
 
     def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs):
         self.resumed_from_step = self._resumed_loss_sum = None
@@ -79,6 +95,12 @@ class MMFusionTrainer(Trainer):
         super()._save_checkpoint(model, trial)
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        if "loss" in logs and self._train_components:
+            # Every rank logs here (Trainer gathers the loss just before), so the mean over ranks is safe to take.
+            steps = max(self.state.global_step - self._components_since_step, 1)
+            for name, total in self._train_components.items():
+                logs[name] = self.accelerator.reduce(total.detach().clone(), reduction="mean").item() / steps
+            self._train_components = {}
         if "train_loss" in logs and self._resumed_loss_sum is not None:
             # In place: the same dict is `train()`'s returned metrics.
             steps = self.state.global_step - self.resumed_from_step  # this session's, which Trainer averaged over
@@ -114,6 +136,101 @@ class MMFusionTrainer(Trainer):
     def _is_pretraining(self, model) -> bool:
         return type(self.accelerator.unwrap_model(model)).__name__ == "MMFusionForPretraining"
 
+    # ---- Pretraining: gradient-cached ITC within Trainer's accumulation loop ----
+
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        """Trainer fetches the micro-batches of each optimizer step up front; keep them for the ITC cache."""
+        batch_samples, num_items_in_batch = super().get_batch_samples(epoch_iterator, num_batches, device)
+        self._window, self._itc_cache = batch_samples, None
+        return batch_samples, num_items_in_batch
+
+    def _uses_grad_cache(self, model) -> bool:
+        """`itc_grad_cache` acts for pretraining with gradient accumulation (k = 1 already gathers B·W negatives)."""
+        if not (
+            getattr(self.args, "itc_grad_cache", True)
+            and self.args.gradient_accumulation_steps > 1
+            and self._window is not None
+            and len(self._window) > 1
+            and self._is_pretraining(model)
+        ):
+            return False
+        if self.is_fsdp_enabled or self.is_deepspeed_enabled or self.args.n_gpu > 1:
+            if not self._grad_cache_warned:
+                logger.warning(
+                    "itc_grad_cache is not supported with FSDP, DeepSpeed or DataParallel: ITC sees one micro-batch's "
+                    "negatives per loss. Pass --itc_grad_cache False to silence this."
+                )
+                self._grad_cache_warned = True
+            return False
+        return True
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        use_cache = self._uses_grad_cache(model)
+        index = next((i for i, batch in enumerate(self._window or ()) if batch is inputs), None)
+        if not use_cache or index is None:
+            if use_cache and not self._grad_cache_warned:  # Trainer no longer hands over the batches it fetched
+                logger.warning("itc_grad_cache: a micro-batch not among those Trainer fetched; trained without it.")
+                self._grad_cache_warned = True
+            return super().training_step(model, inputs, num_items_in_batch)
+        model.train()
+        if hasattr(self.optimizer, "train") and callable(self.optimizer.train):
+            self.optimizer.train()
+        unwrapped = self.accelerator.unwrap_model(model)
+        if self._itc_cache is None:  # the step's first micro-batch: embed them all without gradient
+            batches = [self._prepare_inputs(batch) for batch in self._window]
+            with self.compute_loss_context_manager():
+                self._itc_cache = build_itc_cache(unwrapped, batches, autocast=self.accelerator.autocast)
+        cache = self._itc_cache
+        inputs = self._prepare_inputs(inputs)
+        cache.restore_rng(index)  # the same dropout masks as in the embedding pass
+        with self.compute_loss_context_manager():
+            outputs = model(**inputs, return_loss=True)
+        surrogate, logged = cached_micro_batch_loss(unwrapped, outputs, cache, index)
+        k = cache.num_micro_batches
+        itm_loss = outputs.itm_loss / k if outputs.itm_loss is not None else None
+        self._add_train_components(itc_loss=cache.itc_loss / k, itm_loss=itm_loss)
+        del outputs, inputs
+        # Scaled already (see `cached_micro_batch_loss`); undo the division by an accelerate accumulation plugin.
+        self.accelerator.backward(surrogate * self.accelerator.gradient_accumulation_steps)
+        if index == len(self._window) - 1:
+            self._window = self._itc_cache = None
+        return logged.detach()
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        loss, outputs = super().compute_loss(model, inputs, return_outputs=True, num_items_in_batch=num_items_in_batch)
+        if model.training and self._is_pretraining(model):
+            k = self.current_gradient_accumulation_steps  # Trainer divides the loss by it
+            terms = {name: getattr(outputs, name, None) for name in LOSS_COMPONENTS}
+            self._add_train_components(**{name: v / k if v is not None else None for name, v in terms.items()})
+        return (loss, outputs) if return_outputs else loss
+
+    def _add_train_components(self, **terms) -> None:
+        """Accumulate a micro-batch's loss terms, each already scaled as its share of the step's loss."""
+        if not self._train_components:
+            self._components_since_step = self.state.global_step
+        for name, value in terms.items():
+            if value is not None:
+                self._train_components[name] = self._train_components.get(name, 0) + value.detach().float()
+
+    # ---- Evaluation ----
+
+    def evaluation_loop(
+        self, dataloader, description, prediction_loss_only=None, ignore_keys=None, metric_key_prefix="eval"
+    ):
+        """Adds `{prefix}_itc_loss` / `{prefix}_itm_loss` for pretraining, averaged as Trainer averages the loss."""
+        pretraining = self._is_pretraining(self.model)
+        self._eval_components = {name: [] for name in LOSS_COMPONENTS} if pretraining else None
+        try:
+            output = super().evaluation_loop(
+                dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix=metric_key_prefix
+            )
+        finally:
+            components, self._eval_components = self._eval_components, None
+        for name, values in (components or {}).items():
+            if values:
+                output.metrics[f"{metric_key_prefix}_{name}"] = torch.cat(values).mean().item()
+        return output
+
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         if not self._is_pretraining(model):
             return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
@@ -121,6 +238,14 @@ class MMFusionTrainer(Trainer):
         with torch.no_grad(), self.compute_loss_context_manager():
             outputs = model(**inputs, return_loss=True)
         loss = outputs.loss.detach()
+        if self._eval_components is not None:
+            # As `evaluation_loop` treats the loss: repeated per sample and gathered, padded duplicates dropped.
+            repeats = self.args.eval_batch_size or inputs["input_ids"].shape[0]
+            for name in LOSS_COMPONENTS:
+                value = getattr(outputs, name)
+                if value is not None:
+                    gathered = self.accelerator.gather_for_metrics(value.detach().float().repeat(repeats))
+                    self._eval_components[name].append(gathered.cpu())
         if prediction_loss_only:
             return loss, None, None
         return loss, (outputs.image_embeds.detach(), outputs.text_embeds.detach()), inputs["image_rows"]

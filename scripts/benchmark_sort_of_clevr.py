@@ -1,0 +1,181 @@
+"""Sort-of-CLEVR: does fusion fuse? Run the relational recipes as a user would and tabulate accuracy per question type.
+
+    python scripts/benchmark_sort_of_clevr.py --runs hierarchical,late,image_only,text_only [--parallel 2]
+
+Each run is `accelerate launch scripts/train.py scripts/configs/sort_of_clevr*.yaml [flags]` in a fresh process,
+timed over its whole wall time, and read back from its `all_results.json`. `--parallel 2` runs two at once with one
+torch thread each (what fits a 2-core machine; each then runs at roughly 60% of its speed alone, so its wall time is
+an upper bound of a lone run's); the table says which. The pretraining runs chain: `pretrain` writes the checkpoint
+that `finetune_pretrained` starts from, and is followed by `scripts/zero_shot_sort_of_clevr.py`. Writes
+`scripts/results/sort_of_clevr.{md,json,png}` (merged with the runs already there) and prints the table.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+
+ROOT = Path(__file__).resolve().parent.parent
+MAIN = "scripts/configs/sort_of_clevr.yaml"
+SHORT = "scripts/configs/sort_of_clevr_short.yaml"
+PRETRAIN = "scripts/configs/sort_of_clevr_pretrain.yaml"
+RUNS = {
+    "hierarchical": ([MAIN], "hierarchical fusion (bridges from ViT layers 2 and 4), the main recipe"),
+    "late": ([MAIN, "--fusion_type", "late"], "late fusion: pooled image and text vectors, no cross-attention"),
+    "image_only": ([MAIN, "--ablation", "image_only"], "hierarchical, questions blanked: the image alone"),
+    "text_only": ([MAIN, "--ablation", "text_only"], "hierarchical, images blanked: the question alone"),
+    "pretrain": ([PRETRAIN], "contrastive (ITC) + matching (ITM) pretraining on the captions"),
+    "finetune_pretrained": ([SHORT], "VQA fine-tuning from the pretrain checkpoint"),
+    "finetune_scratch": ([SHORT], "the same VQA fine-tuning from scratch"),
+}
+TYPES = ("relational", "non_relational")
+FAMILIES = ("shape", "horizontal", "vertical", "closest", "furthest", "count")
+
+
+def run_one(name: str, output_root: Path, threads: int | None) -> dict:
+    flags, description = RUNS[name]
+    output_dir = output_root / name
+    extra = ["--model_name_or_path", str(output_root / "pretrain")] if name == "finetune_pretrained" else []
+    command = [str(Path(sys.executable).with_name("accelerate")), "launch", "scripts/train.py", *flags, *extra]
+    command += ["--output_dir", str(output_dir), "--disable_tqdm", "True"]
+    if threads is not None:
+        command += ["--cpu_threads", str(threads)]
+    print("$", " ".join(command), flush=True)
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}  # as in a new user's shell
+    start = time.perf_counter()
+    with open(output_root / f"{name}.log", "w") as log:
+        done = subprocess.run(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
+    wall = time.perf_counter() - start
+    if done.returncode != 0:
+        raise RuntimeError(f"{name} failed; see {output_root / f'{name}.log'}")
+    results = json.loads((output_dir / "all_results.json").read_text())
+    row = {"run": name, "description": description, "command": " ".join(command[1:]), "wall_seconds": wall}
+    row["threads"] = threads
+    row.update({k: v for k, v in results.items() if k.startswith("eval_") or k in ("epoch", "train_runtime")})
+    if name == "pretrain":
+        zero_shot = [sys.executable, "scripts/zero_shot_sort_of_clevr.py", "--model", str(output_dir)]
+        subprocess.run(zero_shot, cwd=ROOT, check=True, env=env, capture_output=True)
+        row.update(json.loads((output_dir / "zero_shot_results.json").read_text()))
+    return row
+
+
+def question_only_ceiling(dataset_options: str) -> dict[str, float]:
+    """
+    The best accuracy any model that reads only the question can reach on the test split: each distinct question
+    answered with its most frequent training answer. Computed from the data, per question type and family.
+    """
+    from collections import Counter, defaultdict
+
+    from mm_fusion.data import load_sort_of_clevr
+    from mm_fusion.training.builders import parse_overrides
+
+    data = load_sort_of_clevr(**parse_overrides(dataset_options, flag="--dataset_options"))
+    columns = ["question", "answer", "question_type", "question_family"]
+    train, test = (data[s].select_columns(columns).to_dict() for s in ("train", "test"))
+    counts = defaultdict(Counter)
+    for question, answer in zip(train["question"], train["answer"]):
+        counts[question][answer] += 1
+    right = [counts[q].most_common(1)[0][0] == a for q, a in zip(test["question"], test["answer"])]
+    row = {"run": "question_only_ceiling", "eval_accuracy": sum(right) / len(right)}
+    for column in ("question_type", "question_family"):
+        for value in set(test[column]):
+            hits = [r for r, v in zip(right, test[column]) if v == value]
+            row[f"eval_accuracy_{value}"] = sum(hits) / len(hits)
+    return row
+
+
+def markdown(rows: dict[str, dict]) -> str:
+    vqa = [r for r in rows.values() if "eval_accuracy" in r]
+    lines = [
+        "| run | relational | non-relational | closest | furthest | count | shape | left | top | all | wall time |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in vqa:
+        cells = [f"{r.get(f'eval_accuracy_{k}', float('nan')):.3f}" for k in (*TYPES, "closest", "furthest", "count")]
+        cells += [f"{r.get(f'eval_accuracy_{k}', float('nan')):.3f}" for k in ("shape", "horizontal", "vertical")]
+        if "wall_seconds" not in r:
+            wall = "computed from the data"
+        else:
+            where = "" if r.get("threads") is None else f", {r['threads']} thread(s), 2 runs at once"
+            wall = f"{r['wall_seconds'] / 60:.1f} min{where}"
+        lines.append(f"| {r['run']} | {' | '.join(cells)} | {r['eval_accuracy']:.3f} | {wall} |")
+    pretrain = rows.get("pretrain")
+    if pretrain:
+        lines += ["", "| pretraining | " + " | ".join(f"{d} R@{k}" for d in ("t2i", "i2t") for k in (1, 5, 10))]
+        lines[-1] += " | zero-shot ITC | zero-shot ITM | wall time |"
+        lines.append("|---" * 10 + "|")
+        recalls = [pretrain.get(f"eval_{d}_R@{k}", float("nan")) for d in ("text_to_image", "image_to_text")
+                   for k in (1, 5, 10)]  # fmt: skip
+        lines.append(
+            "| pretrain | " + " | ".join(f"{v:.3f}" for v in recalls) + f" | {pretrain['zero_shot_itc_accuracy']:.3f}"
+            f" | {pretrain['zero_shot_itm_accuracy']:.3f} | {pretrain['wall_seconds'] / 60:.1f} min |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: dict[str, dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    vqa = [r for r in rows.values() if "eval_accuracy_relational" in r]
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    width = 0.38
+    for i, (kind, colour) in enumerate(zip(TYPES, ("tab:red", "tab:blue"))):
+        values = [r[f"eval_accuracy_{kind}"] for r in vqa]
+        bars = ax.bar([j + (i - 0.5) * width for j in range(len(vqa))], values, width, label=kind, color=colour)
+        ax.bar_label(bars, fmt="%.2f", fontsize=7)
+    ax.axhline(0.94, color="grey", linestyle="--", linewidth=0.8, label="target, relational (0.94)")
+    ax.set_xticks(range(len(vqa)), [r["run"] for r in vqa], fontsize=8)
+    ax.set_ylim(0, 1.05)
+    ax.set_ylabel("test accuracy")
+    ax.set_title("Sort-of-CLEVR: accuracy by question type", fontsize=10)
+    ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--runs", default="hierarchical,late,image_only,text_only", help=f"From {', '.join(RUNS)}.")
+    parser.add_argument("--parallel", type=int, default=1, help="Runs at once (each with cores / N torch threads).")
+    parser.add_argument("--output_root", default="outputs/sort_of_clevr")
+    parser.add_argument("--results", default="scripts/results/sort_of_clevr", help="Path stem of md / json / png.")
+    args = parser.parse_args(argv)
+    names = [n for n in args.runs.split(",") if n]
+    unknown = [n for n in names if n not in RUNS]
+    if unknown:
+        raise ValueError(f"Unknown runs {unknown}; choose from {list(RUNS)}.")
+    output_root = ROOT / args.output_root
+    output_root.mkdir(parents=True, exist_ok=True)
+    threads = max(1, (os.cpu_count() or 1) // args.parallel) if args.parallel > 1 else None
+    stem = ROOT / args.results
+    path = stem.with_suffix(".json")
+    rows = json.loads(path.read_text()) if path.is_file() else {}
+    # A fine-tuning run waits for the pretraining it starts from.
+    first = [n for n in names if n != "finetune_pretrained"]
+    with ThreadPoolExecutor(args.parallel) as pool:
+        for row in pool.map(lambda n: run_one(n, output_root, threads), first):
+            rows[row["run"]] = row
+    if "finetune_pretrained" in names:
+        rows["finetune_pretrained"] = run_one("finetune_pretrained", output_root, threads)
+    main_options = (
+        "num_train_images=10000,num_test_images=1000,questions_per_family=2"  # scripts/configs/sort_of_clevr.yaml
+    )
+    rows["question_only_ceiling"] = question_only_ceiling(main_options)
+    path.write_text(json.dumps(rows, indent=2) + "\n")
+    table = markdown(rows)
+    stem.with_suffix(".md").write_text(table)
+    plot(rows, stem.with_suffix(".png"))
+    print(table)
+    return rows
+
+
+if __name__ == "__main__":
+    main()

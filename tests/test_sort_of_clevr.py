@@ -1,0 +1,239 @@
+"""The Sort-of-CLEVR generator (answers recomputed from the scene, images checked against it), its training paths."""
+
+import io
+import json
+from itertools import combinations
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from mm_fusion.data import load_sort_of_clevr
+from mm_fusion.data.sort_of_clevr import COLOURS, _rows
+
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = dict(num_train_images=60, num_test_images=20, seed=3)
+TINY = [
+    "--image_size", "32", "--patch_size", "16", "--hidden_size", "32", "--num_attention_heads", "2",
+    "--vision_layers", "1", "--text_layers", "1", "--fusion_layers", "1", "--disable_tqdm", "True",
+    "--per_device_train_batch_size", "16", "--per_device_eval_batch_size", "32", "--logging_steps", "1",
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def data():
+    return load_sort_of_clevr(**SMALL)
+
+
+def expected_answer(objects, question, image_size=64):
+    """The answer, worked out here from the scene and the question's words, apart from the generator's code."""
+    colour = next(c for c in COLOURS if f" {c} object" in question)
+    index = [o["colour"] for o in objects].index(colour)
+    positions = np.array([[o["x"], o["y"]] for o in objects], dtype=float)
+    distances = np.sqrt(((positions - positions[index]) ** 2).sum(axis=1))
+    distances[index] = np.nan
+    shapes = [o["shape"] for o in objects]
+    if question.startswith("What is the shape of the object closest"):
+        return shapes[int(np.nanargmin(distances))]
+    if question.startswith("What is the shape of the object furthest"):
+        return shapes[int(np.nanargmax(distances))]
+    if question.startswith("What is the shape of the"):
+        return shapes[index]
+    if question.startswith("How many objects"):
+        return str(shapes.count(shapes[index]))
+    if question.endswith("on the left?"):
+        return "yes" if objects[index]["x"] * 2 < image_size else "no"
+    if question.endswith("at the top?"):
+        return "yes" if objects[index]["y"] * 2 < image_size else "no"
+    raise AssertionError(f"unexpected question {question!r}")
+
+
+def test_answers_match_the_scene(data):
+    for split in ("train", "test"):
+        names = data[split].features["answer"].names
+        rows = data[split].remove_columns("image")
+        assert len(rows) == 6 * SMALL[f"num_{split}_images"]
+        for row in rows:
+            assert names[row["answer"]] == expected_answer(row["objects"], row["question"]), row
+            relational = row["question_family"] in ("closest", "furthest", "count")
+            assert row["question_type"] == ("relational" if relational else "non_relational")
+
+
+def test_scenes_are_unambiguous_and_do_not_overlap(data):
+    for objects in data["train"].remove_columns("image")["objects"][::6]:
+        assert [o["colour"] for o in objects] == list(COLOURS)
+        for a, b in combinations(objects, 2):  # 10-pixel objects: their boxes must not touch
+            assert max(abs(a["x"] - b["x"]), abs(a["y"] - b["y"])) >= 12
+        for anchor in objects:
+            d = sorted(np.hypot(o["x"] - anchor["x"], o["y"] - anchor["y"]) for o in objects if o is not anchor)
+            assert d[1] - d[0] >= 2 and d[-1] - d[-2] >= 2
+
+
+def test_images_show_the_scene(data):
+    data = data["test"].cast_column("image", data["test"].features["image"].__class__(decode=False))
+    for row in data.select(range(0, len(data), 6)):
+        image = np.asarray(Image.open(io.BytesIO(row["image"]["bytes"])).convert("RGB"))
+        assert image.shape == (64, 64, 3)
+        painted = (image != 255).any(axis=2)
+        for o in row["objects"]:
+            colour = COLOURS[o["colour"]]
+            assert tuple(image[o["y"], o["x"]]) == colour
+            corner = tuple(image[o["y"] - 5, o["x"] - 5])  # a square fills its corner, a circle does not
+            assert (corner == colour) == (o["shape"] == "square"), o
+        # Nothing is painted away from the objects.
+        mask = np.zeros_like(painted)
+        for o in row["objects"]:
+            mask[o["y"] - 5 : o["y"] + 5, o["x"] - 5 : o["x"] + 5] = True
+        assert not (painted & ~mask).any()
+
+
+def test_captions_are_unique_and_describe_the_scene():
+    captions = load_sort_of_clevr(rows="captions", **SMALL)
+    train, test = (captions[s].remove_columns("image") for s in ("train", "test"))
+    assert len(train) == SMALL["num_train_images"] and len(test) == SMALL["num_test_images"]
+    everything = list(train["caption"]) + list(test["caption"])
+    assert len(set(everything)) == len(everything)
+    for row in train:
+        for o in row["objects"]:
+            row_word = ["top", "middle", "bottom"][o["y"] * 3 // 64]
+            column_word = ["left", "centre", "right"][o["x"] * 3 // 64]
+            where = (
+                "the centre" if (row_word, column_word) == ("middle", "centre") else f"the {row_word} {column_word}"
+            )
+            assert f"{o['colour']} {o['shape']} at {where}" in row["caption"]
+
+
+def test_generation_is_deterministic_and_seeded():
+    options = dict(SMALL, num_objects=6, image_size=64, object_size=10, min_distance_gap=2.0, version=1)
+
+    def rows(**changes):
+        return [json.dumps({k: v for k, v in r.items() if k != "image"}) + str(hash(r["image"]["bytes"]))
+                for r in _rows("test", "questions", questions_per_family=1, **{**options, **changes})]  # fmt: skip
+
+    assert rows() == rows()
+    assert rows() != rows(seed=4)
+
+
+def test_sizes_and_bad_options():
+    small = load_sort_of_clevr(["test"], num_train_images=5, num_test_images=4, num_objects=3, questions_per_family=2)
+    assert list(small) == ["test"] and len(small["test"]) == 4 * 6 * 2
+    assert small["test"].features["answer"].names == ["square", "circle", "yes", "no", "1", "2", "3"]
+    with pytest.raises(ValueError, match="splits"):
+        load_sort_of_clevr(["validation"])
+    with pytest.raises(ValueError, match="num_objects"):
+        load_sort_of_clevr(num_objects=7)
+    with pytest.raises(ValueError, match="rows"):
+        load_sort_of_clevr(rows="pairs")
+
+
+def test_training_reports_accuracy_per_question_type(train_script, tmp_path):
+    options = "num_train_images=24,num_test_images=8,seed=5"
+    argv = ["--dataset", "sort_of_clevr", "--dataset_options", options, "--output_dir", str(tmp_path / "vqa")]
+    results = train_script.main([*argv, *TINY, "--max_steps", "2"])
+    for name in ("relational", "non_relational", "shape", "closest", "furthest", "count", "horizontal", "vertical"):
+        assert 0.0 <= results[f"eval_accuracy_{name}"] <= 1.0
+    # The per-type figures are the overall accuracy split by type: 24 relational and 24 non-relational questions.
+    overall = (results["eval_accuracy_relational"] + results["eval_accuracy_non_relational"]) / 2
+    assert results["eval_accuracy"] == pytest.approx(overall)
+
+
+def test_pretraining_reads_the_captions(train_script, tmp_path):
+    options = "num_train_images=24,num_test_images=8,seed=5"
+    argv = ["--dataset", "sort_of_clevr", "--dataset_options", options, "--task", "pretrain"]
+    trainer, run = train_script.build_trainer([*argv, "--output_dir", str(tmp_path / "pre"), *TINY])
+    assert run.data_args.text_column == "caption"
+    assert len(trainer.train_dataset) == 24 and len(trainer.eval_dataset) == 8
+
+
+def test_dataset_options_errors(train_script, tmp_path):
+    argv = ["--dataset", "sort_of_clevr", "--output_dir", str(tmp_path / "x"), *TINY]
+    with pytest.raises(ValueError, match="unknown option"):
+        train_script.build_trainer([*argv, "--dataset_options", "num_images=3"])
+    with pytest.raises(ValueError, match="for --dataset sort_of_clevr"):
+        train_script.build_trainer(["--dataset_options", "seed=1", "--output_dir", str(tmp_path / "y"), *TINY])
+
+
+def test_too_many_images_for_the_distinct_captions_is_an_error():
+    # Two objects have at most 2 x 2 shapes x 9 x 9 cells = 324 captions, fewer where they cannot share a cell.
+    with pytest.raises(ValueError, match="distinct captions"):
+        load_sort_of_clevr(["test"], num_train_images=400, num_test_images=10, num_objects=2)
+
+
+def test_pretrain_zero_shot_then_finetune_from_the_checkpoint(train_script, tmp_path):
+    import importlib.util
+
+    import torch
+    from safetensors.torch import load_file
+
+    options = "num_train_images=24,num_test_images=8,seed=5"
+    common = ["--dataset", "sort_of_clevr", "--dataset_options", options, *TINY]
+    pre = tmp_path / "pre"
+    results = train_script.main([*common, "--task", "pretrain", "--output_dir", str(pre), "--max_steps", "2"])
+    assert 0.0 <= results["eval_text_to_image_R@1"] <= 1.0
+
+    path = ROOT / "scripts" / "zero_shot_sort_of_clevr.py"
+    spec = importlib.util.spec_from_file_location("zero_shot_sort_of_clevr", path)
+    zero_shot = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(zero_shot)
+    scores = zero_shot.main(["--model", str(pre), "--dataset_options", options, "--output", str(tmp_path / "z.json")])
+    assert scores["pairs"] == 8 * 6  # every object of every test image, once
+    for key in ("zero_shot_itc_accuracy", "zero_shot_itm_accuracy"):
+        assert 0.0 <= scores[key] <= 1.0
+    assert json.loads((tmp_path / "z.json").read_text())["pairs"] == 48
+
+    vqa = tmp_path / "vqa"
+    flags = ["--model_name_or_path", str(pre), "--output_dir", str(vqa), "--max_steps", "1", "--learning_rate", "0"]
+    train_script.main([*common, *flags])
+    before, after = load_file(pre / "model.safetensors"), load_file(vqa / "model.safetensors")
+    towers = [k for k in after if k.startswith("mm_fusion.") and "projection" not in k]
+    assert towers and all(torch.equal(before[k], after[k]) for k in towers)  # started from the pretrained weights
+    config = json.loads((vqa / "config.json").read_text())
+    assert config["architectures"] == ["MMFusionForImageTextClassification"] and len(config["id2label"]) == 10
+
+
+def test_flipped_captions_change_one_object():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("z", ROOT / "scripts" / "zero_shot_sort_of_clevr.py")
+    zero_shot = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(zero_shot)
+    objects = [
+        {"colour": "red", "shape": "square", "x": 5, "y": 5},
+        {"colour": "green", "shape": "circle", "x": 40, "y": 50},
+    ]
+    assert zero_shot.flipped_captions(objects, 64) == [
+        "a red circle at the top left, a green circle at the bottom centre.",
+        "a red square at the top left, a green square at the bottom centre.",
+    ]
+
+
+def test_benchmark_table_and_plot(tmp_path):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("b", ROOT / "scripts" / "benchmark_sort_of_clevr.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    families = dict.fromkeys(("shape", "horizontal", "vertical", "closest", "furthest", "count"), 0.5)
+    rows = {
+        name: {"run": name, "eval_accuracy": acc, "eval_accuracy_relational": rel,
+               "eval_accuracy_non_relational": 0.99, **{f"eval_accuracy_{k}": v for k, v in families.items()},
+               "wall_seconds": 600, "threads": 1}
+        for name, acc, rel in (("hierarchical", 0.96, 0.95), ("late", 0.8, 0.63))
+    }  # fmt: skip
+    table = bench.markdown(rows)
+    assert "| hierarchical | 0.950 | 0.990 |" in table and "| late | 0.630 | 0.990 |" in table
+    bench.plot(rows, tmp_path / "p.png")
+    assert (tmp_path / "p.png").stat().st_size > 1000
+
+
+@pytest.mark.parametrize("name", ["sort_of_clevr", "sort_of_clevr_pretrain", "sort_of_clevr_short"])
+def test_shipped_recipes_parse(train_script, name):
+    model_args, data_args, training_args = train_script.parse_args(
+        [str(ROOT / "scripts" / "configs" / f"{name}.yaml")]
+    )
+    assert data_args.dataset == "sort_of_clevr" and "num_train_images=10000" in data_args.dataset_options
+    assert model_args.task == ("pretrain" if name.endswith("pretrain") else "vqa")
+    if name.endswith("pretrain"):
+        assert training_args.gradient_accumulation_steps == 4 and training_args.itc_grad_cache
