@@ -33,6 +33,7 @@ RUNS = {
     "finetune_pretrained": ([SHORT], "VQA fine-tuning from the pretrain checkpoint"),
     "finetune_scratch": ([SHORT], "the same VQA fine-tuning from scratch"),
 }
+ORDER = [*RUNS, "question_only_ceiling"]
 TYPES = ("relational", "non_relational")
 FAMILIES = ("shape", "horizontal", "vertical", "closest", "furthest", "count")
 
@@ -90,7 +91,7 @@ def question_only_ceiling(dataset_options: str) -> dict[str, float]:
 
 
 def markdown(rows: dict[str, dict]) -> str:
-    vqa = [r for r in rows.values() if "eval_accuracy" in r]
+    vqa = [rows[n] for n in ORDER if n in rows and "eval_accuracy" in rows[n]]
     lines = [
         "| run | relational | non-relational | closest | furthest | count | shape | left | top | all | wall time |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
@@ -101,7 +102,7 @@ def markdown(rows: dict[str, dict]) -> str:
         if "wall_seconds" not in r:
             wall = "computed from the data"
         else:
-            where = "" if r.get("threads") is None else f", {r['threads']} thread(s), 2 runs at once"
+            where = "" if r.get("threads") is None else f", {r['threads']} thread(s), sharing the machine"
             wall = f"{r['wall_seconds'] / 60:.1f} min{where}"
         lines.append(f"| {r['run']} | {' | '.join(cells)} | {r['eval_accuracy']:.3f} | {wall} |")
     pretrain = rows.get("pretrain")
@@ -124,7 +125,7 @@ def plot(rows: dict[str, dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    vqa = [r for r in rows.values() if "eval_accuracy_relational" in r]
+    vqa = [rows[n] for n in ORDER if n in rows and "eval_accuracy_relational" in rows[n]]
     fig, ax = plt.subplots(figsize=(7, 3.5))
     width = 0.38
     for i, (kind, colour) in enumerate(zip(TYPES, ("tab:red", "tab:blue"))):
@@ -145,6 +146,7 @@ def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", default="hierarchical,late,image_only,text_only", help=f"From {', '.join(RUNS)}.")
     parser.add_argument("--parallel", type=int, default=1, help="Runs at once (each with cores / N torch threads).")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads per run (default: the launcher's).")
     parser.add_argument("--output_root", default="outputs/sort_of_clevr")
     parser.add_argument("--results", default="scripts/results/sort_of_clevr", help="Path stem of md / json / png.")
     args = parser.parse_args(argv)
@@ -154,10 +156,10 @@ def main(argv=None) -> dict:
         raise ValueError(f"Unknown runs {unknown}; choose from {list(RUNS)}.")
     output_root = ROOT / args.output_root
     output_root.mkdir(parents=True, exist_ok=True)
-    threads = max(1, (os.cpu_count() or 1) // args.parallel) if args.parallel > 1 else None
+    threads = max(1, (os.cpu_count() or 1) // args.parallel) if args.parallel > 1 else args.threads
     stem = ROOT / args.results
     path = stem.with_suffix(".json")
-    rows = json.loads(path.read_text()) if path.is_file() else {}
+    rows = {}
     # A fine-tuning run waits for the pretraining it starts from.
     first = [n for n in names if n != "finetune_pretrained"]
     with ThreadPoolExecutor(args.parallel) as pool:
@@ -169,6 +171,8 @@ def main(argv=None) -> dict:
         "num_train_images=10000,num_test_images=1000,questions_per_family=2"  # scripts/configs/sort_of_clevr.yaml
     )
     rows["question_only_ceiling"] = question_only_ceiling(main_options)
+    # Merged with the runs already there, read now: another instance may have written since this one started.
+    rows = {**(json.loads(path.read_text()) if path.is_file() else {}), **rows}
     path.write_text(json.dumps(rows, indent=2) + "\n")
     table = markdown(rows)
     stem.with_suffix(".md").write_text(table)
