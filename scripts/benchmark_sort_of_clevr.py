@@ -29,6 +29,14 @@ RUNS = {
     "late": ([MAIN, "--fusion_type", "late"], "late fusion: pooled image and text vectors, no cross-attention"),
     "image_only": ([MAIN, "--ablation", "image_only"], "hierarchical, questions blanked: the image alone"),
     "text_only": ([MAIN, "--ablation", "text_only"], "hierarchical, images blanked: the question alone"),
+    "image_only_short": (
+        [SHORT, "--ablation", "image_only"],
+        "as image_only, with the 2-epoch budget of the short recipe",
+    ),
+    "text_only_short": (
+        [SHORT, "--ablation", "text_only"],
+        "as text_only, with the 2-epoch budget of the short recipe",
+    ),
     "pretrain": ([PRETRAIN], "contrastive (ITC) + matching (ITM) pretraining on the captions"),
     "finetune_pretrained": ([SHORT], "VQA fine-tuning from the pretrain checkpoint"),
     "finetune_scratch": ([SHORT], "the same VQA fine-tuning from scratch"),
