@@ -4,8 +4,8 @@
 
 Each run is `accelerate launch scripts/train.py scripts/configs/sort_of_clevr*.yaml [flags]` in a fresh process,
 timed over its whole wall time, and read back from its `all_results.json`. `--parallel 2` runs two at once with one
-torch thread each (what fits a 2-core machine; each then runs at roughly 60% of its speed alone, so its wall time is
-an upper bound of a lone run's); the table says which. The pretraining runs chain: `pretrain` writes the checkpoint
+torch thread each (what fits a 2-core machine; each then runs slower than it would alone, so its wall time is an
+upper bound of a lone run's); the table says which. The pretraining runs chain: `pretrain` writes the checkpoint
 that `finetune_pretrained` starts from, and is followed by `scripts/zero_shot_sort_of_clevr.py`. Writes
 `scripts/results/sort_of_clevr.{md,json,png}` (merged with the runs already there) and prints the table.
 """
@@ -29,14 +29,6 @@ RUNS = {
     "late": ([MAIN, "--fusion_type", "late"], "late fusion: pooled image and text vectors, no cross-attention"),
     "image_only": ([MAIN, "--ablation", "image_only"], "hierarchical, questions blanked: the image alone"),
     "text_only": ([MAIN, "--ablation", "text_only"], "hierarchical, images blanked: the question alone"),
-    "image_only_short": (
-        [SHORT, "--ablation", "image_only"],
-        "as image_only, with the 2-epoch budget of the short recipe",
-    ),
-    "text_only_short": (
-        [SHORT, "--ablation", "text_only"],
-        "as text_only, with the 2-epoch budget of the short recipe",
-    ),
     "pretrain": ([PRETRAIN], "contrastive (ITC) + matching (ITM) pretraining on the captions"),
     "finetune_pretrained": ([SHORT], "VQA fine-tuning from the pretrain checkpoint"),
     "finetune_scratch": ([SHORT], "the same VQA fine-tuning from scratch"),
@@ -75,7 +67,7 @@ def run_one(name: str, output_root: Path, threads: int | None) -> dict:
 
 def question_only_ceiling(dataset_options: str) -> dict[str, float]:
     """
-    The best accuracy any model that reads only the question can reach on the test split: each distinct question
+    What a model that reads only the question can be expected to reach on the test split: each distinct question
     answered with its most frequent training answer. Computed from the data, per question type and family.
     """
     from collections import Counter, defaultdict
