@@ -19,6 +19,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import yaml
+
 
 ROOT = Path(__file__).resolve().parent.parent
 MAIN = "scripts/configs/sort_of_clevr.yaml"
@@ -167,10 +169,8 @@ def main(argv=None) -> dict:
             rows[row["run"]] = row
     if "finetune_pretrained" in names:
         rows["finetune_pretrained"] = run_one("finetune_pretrained", output_root, threads)
-    main_options = (
-        "num_train_images=10000,num_test_images=1000,questions_per_family=2"  # scripts/configs/sort_of_clevr.yaml
-    )
-    rows["question_only_ceiling"] = question_only_ceiling(main_options)
+    recipe = yaml.safe_load((ROOT / MAIN).read_text())  # the ceiling of the main recipe's data
+    rows["question_only_ceiling"] = question_only_ceiling(recipe["dataset_options"])
     # Merged with the runs already there, read now: another instance may have written since this one started.
     rows = {**(json.loads(path.read_text()) if path.is_file() else {}), **rows}
     path.write_text(json.dumps(rows, indent=2) + "\n")
