@@ -58,7 +58,7 @@ MMFusionImageProcessor.register_for_auto_class("AutoImageProcessor")
 MMFusionProcessor.register_for_auto_class("AutoProcessor")
 
 # Pipelines for the tasks transformers lacks, each loading its model through an Auto class (transformers#33272).
-# `save_pretrained` also writes them to `config.custom_pipelines` with their code, for `trust_remote_code` loading;
+# A saved model carries those that serve its head, for `trust_remote_code` loading (`custom_pipelines.py`);
 # transformers' own `zero-shot-image-classification` pipeline serves pretraining models through the Auto class above.
 for _task, (_pipeline_class, _auto_class) in PIPELINE_TASKS.items():
     PIPELINE_REGISTRY.register_pipeline(

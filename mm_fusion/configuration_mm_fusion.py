@@ -1,10 +1,13 @@
 """MMFusion model configuration."""
 
 import inspect
+import os
 
 from transformers import AutoConfig, PretrainedConfig
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.models.auto.modeling_auto import MODEL_MAPPING
+
+from .custom_pipelines import save_custom_pipelines, served_here
 
 
 FUSION_TYPES = ("hierarchical", "cross_attention", "late")
@@ -75,21 +78,6 @@ def _check_tower_config(config: PretrainedConfig, role: str) -> None:
             f"`{name}` ({type(config).__name__}) has no `hidden_size`; mm_fusion fuses transformer encoder towers "
             "whose layers share one width."
         )
-
-
-def _registered_here(task: str, info: dict) -> bool:
-    """Whether this process's pipeline registry serves `task` with the class a saved `custom_pipelines` entry names."""
-    import sys
-
-    if "transformers.pipelines" not in sys.modules:
-        return False
-    from transformers.pipelines import PIPELINE_REGISTRY
-
-    registered = PIPELINE_REGISTRY.supported_tasks.get(task)
-    if registered is None or not isinstance(registered.get("impl"), type):
-        return False
-    impl = registered["impl"]
-    return f"{impl.__module__.split('.')[-1]}.{impl.__name__}" == info.get("impl")
 
 
 class MMFusionConfig(PretrainedConfig):
@@ -271,19 +259,21 @@ class MMFusionConfig(PretrainedConfig):
             )
         super().__init__(**kwargs)
 
-    # `custom_pipelines` (written by `save_pretrained`) tells `pipeline(task, model=dir, trust_remote_code=True)` which
-    # pipeline classes in the saved code serve this model. transformers prefers such an entry over its registry even
-    # when the package is installed, and then insists on `trust_remote_code`; so a task that this process already has
-    # registered with the same class (mm_fusion imported) is left out of what `pipeline()` reads, and the installed
-    # class serves it. Everything is still saved.
+    # The pipelines that serve the saved head travel with it: `custom_pipelines` entries and their code
+    # (`custom_pipelines.py` says which, and why a task this process serves itself is not read back).
     @property
     def custom_pipelines(self) -> dict:
         saved = self.__dict__.get("_custom_pipelines") or {}
-        return {task: info for task, info in saved.items() if not _registered_here(task, info)}
+        return {task: entry for task, entry in saved.items() if not served_here(task, entry)}
 
     @custom_pipelines.setter
     def custom_pipelines(self, value: dict | None) -> None:
         self.__dict__["_custom_pipelines"] = dict(value or {})
+
+    def save_pretrained(self, save_directory, push_to_hub: bool = False, **kwargs):
+        os.makedirs(save_directory, exist_ok=True)
+        self.custom_pipelines = save_custom_pipelines(self, save_directory)
+        super().save_pretrained(save_directory, push_to_hub=push_to_hub, **kwargs)
 
     def to_dict(self) -> dict:
         output = super().to_dict()

@@ -17,6 +17,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.utils import ModelOutput, can_return_tuple
 
 from .configuration_mm_fusion import MMFusionConfig
+from .distributed import all_gather_with_grad, broadcast_seed, gather_sizes, world
 
 
 # The hidden states and attention probabilities every MMFusion output can carry: the towers' and the fusion layers'.
@@ -753,12 +754,6 @@ class MMFusionPreTrainedModel(PreTrainedModel):
             auto_map.setdefault("AutoModelForZeroShotImageClassification", auto_map["AutoModelForPreTraining"])
         if auto_map:
             self.config.auto_map = auto_map
-        # The pipelines that serve this head are saved with it (`config.custom_pipelines` and their code, which the
-        # relative import below makes `save_pretrained` copy), so `pipeline(task, model=dir, trust_remote_code=True)`
-        # works where mm_fusion is not installed.
-        from .pipeline_mm_fusion import custom_pipelines_for
-
-        self.config.custom_pipelines = custom_pipelines_for(type(self).__name__)
         return super().save_pretrained(save_directory, *args, **kwargs)
 
 
@@ -1260,33 +1255,6 @@ class MMFusionForImageTextClassification(MMFusionPreTrainedModel):
             )
 
 
-def _world() -> tuple[int, int]:
-    """World size and rank of the default process group; `(1, 0)` without one."""
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_world_size(), torch.distributed.get_rank()
-    return 1, 0
-
-
-def _gather_with_grad(x: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """All-gather `x` along dim 0 across ranks keeping gradients; returns it and this rank's offset into it."""
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        return x, 0
-    world = torch.distributed.get_world_size()
-    if world == 1:
-        return x, 0
-    from torch.distributed.nn.functional import all_gather
-
-    return torch.cat(all_gather(x), dim=0), torch.distributed.get_rank() * x.shape[0]
-
-
-def _pad_to(x: torch.Tensor, shape: list[int]) -> torch.Tensor:
-    """Zero-pad `x` at the end of each dimension up to `shape`."""
-    pads = []
-    for size, target in zip(reversed(x.shape), reversed(shape)):
-        pads += [0, target - size]
-    return F.pad(x, pads) if any(pads) else x
-
-
 def _gather_itm_inputs(
     image_features: list[torch.Tensor],
     text_features: list[torch.Tensor],
@@ -1299,46 +1267,25 @@ def _gather_itm_inputs(
     gradient (texts zero-padded to the longest length of any rank, batches of any size), the normalised embeddings
     (without gradient), and this rank's offset into them. The inputs themselves in a single process.
     """
-    world, rank = _world()
-    if world == 1:
+    world_size, rank = world()
+    if world_size == 1:
         return image_features, text_features, attention_mask, image_embeds, text_embeds, 0
-    from torch.distributed.nn.functional import all_gather
-
-    B, T = text_features[0].shape[:2]
-    shape = torch.tensor([B, T], device=image_embeds.device)
-    shapes = [torch.empty_like(shape) for _ in range(world)]
-    torch.distributed.all_gather(shapes, shape)
-    rows = [int(s[0]) for s in shapes]
-    max_rows, max_length = max(rows), max(int(s[1]) for s in shapes)
+    sizes = gather_sizes(text_features[0], dims=2)  # (B, T) of every rank
+    rows, length = [B for B, _ in sizes], max(T for _, T in sizes)
     if attention_mask is None:
+        B, T = text_features[0].shape[:2]
         attention_mask = torch.ones(B, T, dtype=torch.long, device=text_features[0].device)
-
-    def gather(x: torch.Tensor, length: int | None = None) -> torch.Tensor:
-        target = [max_rows, *x.shape[1:]]
-        if length is not None:
-            target[1] = length
-        parts = all_gather(_pad_to(x.contiguous(), target))
-        return torch.cat([part[:n] for part, n in zip(parts, rows)], dim=0)
-
     with torch.no_grad():
-        all_image_embeds, all_text_embeds = gather(image_embeds), gather(text_embeds)
+        all_image_embeds = all_gather_with_grad(image_embeds, rows)
+        all_text_embeds = all_gather_with_grad(text_embeds, rows)
     return (
-        [gather(f) for f in image_features],
-        [gather(f, max_length) for f in text_features],
-        gather(attention_mask, max_length),
+        [all_gather_with_grad(f, rows) for f in image_features],
+        [all_gather_with_grad(f, rows, length) for f in text_features],
+        all_gather_with_grad(attention_mask, rows, length),
         all_image_embeds,
         all_text_embeds,
         sum(rows[:rank]),
     )
-
-
-def _shared_seed(device: torch.device) -> int:
-    """A seed drawn from the global torch RNG on every rank and broadcast from rank 0, so all ranks use the same."""
-    seed = torch.randint(0, 2**62, (1,), dtype=torch.int64)
-    if _world()[0] > 1:
-        seed = seed.to(device)
-        torch.distributed.broadcast(seed, src=0)
-    return int(seed.item())
 
 
 class MMFusionForPretraining(MMFusionPreTrainedModel):
@@ -1481,8 +1428,9 @@ class MMFusionForPretraining(MMFusionPreTrainedModel):
     ) -> tuple[torch.Tensor, torch.Tensor, int]:
         """Scaled cosine similarities of the local rows with every (gathered) row, and this rank's offset."""
         logit_scale = self.logit_scale.clamp(max=math.log(self.config.max_logit_scale)).exp()
-        all_image_embeds, offset = _gather_with_grad(image_embeds) if gather else (image_embeds, 0)
-        all_text_embeds, _ = _gather_with_grad(text_embeds) if gather else (text_embeds, 0)
+        all_image_embeds = all_gather_with_grad(image_embeds) if gather else image_embeds
+        all_text_embeds = all_gather_with_grad(text_embeds) if gather else text_embeds
+        offset = world()[1] * image_embeds.shape[0] if gather else 0
         logits_per_image = logit_scale * image_embeds @ all_text_embeds.t()  # (M, G_texts)
         logits_per_text = logit_scale * text_embeds @ all_image_embeds.t()  # (N, G_images)
         return logits_per_image, logits_per_text, offset
@@ -1532,7 +1480,7 @@ class MMFusionForPretraining(MMFusionPreTrainedModel):
         sim.fill_diagonal_(float("-inf"))
         if not self.training:
             return sim[rows].argmax(dim=1), sim.t()[rows].argmax(dim=1)
-        generator = torch.Generator(device=sim.device).manual_seed(_shared_seed(sim.device))
+        generator = torch.Generator(device=sim.device).manual_seed(broadcast_seed(sim.device))
         negative_text = torch.multinomial(F.softmax(sim, dim=1), 1, generator=generator).squeeze(1)
         negative_image = torch.multinomial(F.softmax(sim.t(), dim=1), 1, generator=generator).squeeze(1)
         return negative_text[rows], negative_image[rows]

@@ -541,7 +541,7 @@ def _dataset_rows(dataset, columns: tuple[str, ...]) -> list[dict]:
     return [dict(row) for row in data]
 
 
-# Task name -> (pipeline class, the transformers Auto class that loads its model, the heads it serves).
+# Task name -> (pipeline class, the transformers Auto class that loads its model): registered by `mm_fusion`.
 PIPELINE_TASKS = {
     "image-text-classification": (ImageTextClassificationPipeline, "AutoModelForVisualQuestionAnswering"),
     "image-text-matching": (ImageTextMatchingPipeline, "AutoModelForPreTraining"),
@@ -553,15 +553,6 @@ PIPELINE_TASKS = {
 }
 
 
-def custom_pipelines_for(head: str) -> dict[str, dict]:
-    """The `config.custom_pipelines` entries of the tasks a model with this head serves (saved with the model)."""
-    return {
-        task: {"impl": f"{__name__.split('.')[-1]}.{cls.__name__}", "pt": [auto_class], "type": "multimodal"}
-        for task, (cls, auto_class) in PIPELINE_TASKS.items()
-        if head in cls.heads
-    }
-
-
 __all__ = [
     "CachedZeroShotImageClassificationPipeline",
     "ImageTextClassificationPipeline",
@@ -569,5 +560,4 @@ __all__ = [
     "ImageTextRetrievalPipeline",
     "PIPELINE_TASKS",
     "RetrievalIndex",
-    "custom_pipelines_for",
 ]

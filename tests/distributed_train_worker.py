@@ -52,9 +52,13 @@ def tiny_run_args(output_dir: str, task: str, batch_size: int) -> list[str]:
 def main() -> None:
     out_dir, task, batch_size = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
     if task == "pretrain-local":
-        import mm_fusion.modeling_mm_fusion as modeling
+        from mm_fusion import MMFusionForPretraining
 
-        modeling._gather_with_grad = lambda x: (x, 0)
+        # The control: ITC scores each rank's own pairs only (its features are not gathered).
+        contrastive_logits = MMFusionForPretraining._contrastive_logits
+        MMFusionForPretraining._contrastive_logits = lambda self, image, text, gather: contrastive_logits(
+            self, image, text, False
+        )
         task = "pretrain"
     train = load_train_script()
     trainer, run = train.build_trainer(tiny_run_args(str(out_dir / "run"), task, batch_size))

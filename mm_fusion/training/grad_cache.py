@@ -23,6 +23,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..distributed import all_gather_with_grad, gather_sizes, world
+
 
 ENCODE_KEYS = ("pixel_values", "input_ids", "attention_mask", "token_type_ids")
 
@@ -72,26 +74,11 @@ class ITCGradCache:
         self.rng_states[index].restore()
 
 
-def _world() -> tuple[int, int]:
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_world_size(), torch.distributed.get_rank()
-    return 1, 0
-
-
-def gather_rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """All-gather `x` along dim 0 without gradient (ranks may hold different numbers of rows); returns it and this
-    rank's offset into it."""
-    world, rank = _world()
-    if world == 1:
-        return x, 0
-    count = torch.tensor([x.shape[0]], device=x.device)
-    counts = [torch.empty_like(count) for _ in range(world)]
-    torch.distributed.all_gather(counts, count)
-    counts = [int(c) for c in counts]
-    padded = F.pad(x, [0, 0] * (x.dim() - 1) + [0, max(counts) - x.shape[0]]).contiguous()
-    parts = [torch.empty_like(padded) for _ in range(world)]
-    torch.distributed.all_gather(parts, padded)
-    return torch.cat([part[:n] for part, n in zip(parts, counts)]), sum(counts[:rank])
+def gather_embeddings(x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Every rank's rows of `x` (numbers of rows may differ), without gradient, and this rank's offset into them."""
+    rows = [n for (n,) in gather_sizes(x)]
+    with torch.no_grad():
+        return all_gather_with_grad(x, rows), sum(rows[: world()[1]])
 
 
 @torch.no_grad()
@@ -120,8 +107,8 @@ def build_itc_cache(model, batches: Sequence[dict], autocast: Callable | None = 
         image_embeds.append(image.float())
         text_embeds.append(text.float())
     sizes = [len(x) for x in image_embeds]
-    all_images, offset = gather_rows(torch.cat(image_embeds))
-    all_texts, _ = gather_rows(torch.cat(text_embeds))
+    all_images, offset = gather_embeddings(torch.cat(image_embeds))
+    all_texts, _ = gather_embeddings(torch.cat(text_embeds))
     all_images.requires_grad_(True)
     all_texts.requires_grad_(True)
     inputs = [all_images, all_texts]
@@ -138,7 +125,7 @@ def build_itc_cache(model, batches: Sequence[dict], autocast: Callable | None = 
         logit_scale_grad=grads[2] if scale is not None else None,
         rng_states=rng_states,
         itc_loss=loss.detach(),
-        world_size=_world()[0],
+        world_size=world()[0],
     )
 
 
@@ -194,6 +181,6 @@ __all__ = [
     "build_itc_cache",
     "cached_micro_batch_loss",
     "embed",
-    "gather_rows",
+    "gather_embeddings",
     "train_window",
 ]
