@@ -19,7 +19,7 @@ import torch
 from mm_fusion import MMFusionForPretraining, MMFusionProcessor
 from mm_fusion.data import load_sort_of_clevr
 from mm_fusion.data.sort_of_clevr import describe_scene
-from mm_fusion.training.builders import parse_overrides
+from mm_fusion.training import parse_overrides
 
 
 def flipped_captions(objects: list[dict], image_size: int) -> list[str]:

@@ -2,12 +2,14 @@
 ranks' shards are disjoint and together cover the dataset."""
 
 import json
-import os
-import subprocess
-import sys
 
 import numpy as np
+import pytest
+from helpers.launch import run_worker
 from PIL import Image
+
+
+pytestmark = pytest.mark.distributed
 
 
 def test_two_ranks_preprocess_once_and_get_disjoint_covering_shards(tmp_path):
@@ -24,11 +26,7 @@ def test_two_ranks_preprocess_once_and_get_disjoint_covering_shards(tmp_path):
     (data / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
 
     decode_log, output = tmp_path / "decodes.txt", tmp_path / "seen.json"
-    env = {**os.environ, "MM_FUSION_DECODE_LOG": str(decode_log), "OMP_NUM_THREADS": "1"}
-    worker = os.path.join(os.path.dirname(__file__), "distributed_data_worker.py")
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", worker, str(data), str(output)]
-    run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
+    run_worker("distributed_data_worker", data, output, processes=2, timeout=300, MM_FUSION_DECODE_LOG=str(decode_log))
 
     # 11 distinct images, each decoded exactly once, by rank 0: rank 1 loaded the result from the Arrow cache.
     assert decode_log.read_text().split() == ["0"] * 11

@@ -1,25 +1,17 @@
 """Training across 2 processes (torchrun, gloo on CPU) equals training in one process with the same global batch."""
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from helpers.launch import run_worker
 
 
-WORKER = Path(__file__).parent / "distributed_train_worker.py"
+pytestmark = pytest.mark.distributed
 
 
 def launch(out_dir: Path, task: str, processes: int, batch_size: int) -> list[dict]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes), "--standalone",
-        str(WORKER), str(out_dir), task, str(batch_size),
-    ]  # fmt: skip
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    run_worker("distributed_train_worker", out_dir, task, batch_size, processes=processes)
     return [torch.load(out_dir / f"rank{r}.pt") for r in range(processes)]
 
 

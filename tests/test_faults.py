@@ -9,7 +9,6 @@ import shutil
 import signal
 import struct
 import subprocess
-import sys
 import time
 import zlib
 from collections import Counter
@@ -19,22 +18,19 @@ import numpy as np
 import psutil
 import pytest
 import torch
+from helpers.launch import worker_command, worker_env
+from helpers.training import TINY_MODEL, correct_by_hand, train
 from PIL import Image
 from safetensors.torch import load_file
 
 from mm_fusion import MMFusionForImageTextClassification
-from mm_fusion.training import CheckpointError, resolve_resume_checkpoint
+from mm_fusion.training import CheckpointError, resolve_resume_checkpoint, setup_run, train_and_save
 
 
 pytestmark = pytest.mark.faults
 
-WORKER = Path(__file__).parent / "fault_worker.py"
 ANSWERS = ["yes", "no", "red", "blue"]
-TINY = [
-    "--image_size", "32", "--patch_size", "8", "--hidden_size", "32", "--num_attention_heads", "2",
-    "--vision_layers", "1", "--text_layers", "1", "--fusion_layers", "1", "--disable_tqdm", "True",
-    "--logging_steps", "1", "--seed", "7",
-]  # fmt: skip
+TINY = [*TINY_MODEL, "--patch_size", "8", "--logging_steps", "1", "--seed", "7"]
 
 
 def write_pairs(directory: Path, images: int = 12, questions: int = 4) -> Path:
@@ -67,12 +63,8 @@ def run_worker(record: Path, fault: str, flags: list[str], processes: int = 0, t
     bit-reproducible arithmetic; it and every process it started are killed if it outlives `timeout`. Returns the
     exit code, the output, and the seconds from the fault to the end of the run (`None` without a fault).
     """
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-    launcher = [sys.executable]
-    if processes:
-        launcher += ["-m", "torch.distributed.run", "--nproc_per_node", str(processes), "--standalone"]
-    command = [*launcher, str(WORKER), str(record), fault, *flags]
-    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    command = worker_command("fault_worker", record, fault, *flags, processes=processes)
+    process = subprocess.Popen(command, env=worker_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         output, _ = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -151,14 +143,14 @@ def _weights(directory: Path) -> dict[str, torch.Tensor]:
     return MMFusionForImageTextClassification.from_pretrained(directory).state_dict()
 
 
-def test_early_stopping_returns_exactly_the_best_checkpoints_weights(train_script, pairs, tmp_path):
+def test_early_stopping_returns_exactly_the_best_checkpoints_weights(pairs, tmp_path):
     out = tmp_path / "out"
     flags = [*user_flags(pairs), *TINY, "--output_dir", str(out), "--validation_split_percentage", "25",
              "--per_device_train_batch_size", "8", "--num_train_epochs", "20", "--eval_strategy", "epoch",
              "--early_stopping_patience", "1", "--learning_rate", "1e-5", "--save_total_limit", "5"]  # fmt: skip
-    trainer, run = train_script.build_trainer(flags)
+    trainer = setup_run(flags)
     assert trainer.args.metric_for_best_model == "accuracy" and trainer.args.greater_is_better  # the task's metric
-    train_script.train_and_save(trainer, run)
+    train_and_save(trainer)
     best = Path(trainer.state.best_model_checkpoint)
     last = out / f"checkpoint-{trainer.state.global_step}"
     assert trainer.state.global_step < 20 * 5 and best != last  # it stopped early, after a worse evaluation
@@ -245,7 +237,7 @@ def test_no_complete_checkpoint_lists_what_is_wrong_with_each(saved_run, tmp_pat
         resolve_resume_checkpoint("last", str(out))
 
 
-def test_pickle_payloads_are_refused_on_every_loading_path(saved_run, tmp_path, train_script):
+def test_pickle_payloads_are_refused_on_every_loading_path(saved_run, tmp_path):
     """Checkpoints from strangers: weights files that would run code when unpickled are refused, and never run."""
     source, flags = saved_run
     marker = tmp_path / "payload-ran"
@@ -262,7 +254,7 @@ def test_pickle_payloads_are_refused_on_every_loading_path(saved_run, tmp_path, 
     with pytest.raises(Exception, match="(?i)weights.only|unsupported global|weights_only"):
         AutoModelForVisualQuestionAnswering.from_pretrained(model_dir, trust_remote_code=True)
     with pytest.raises(Exception, match="(?i)weights.only|unsupported global|weights_only"):
-        train_script.main([*flags, "--output_dir", str(tmp_path / "tuned"), "--model_name_or_path", str(model_dir)])
+        train([*flags, "--output_dir", str(tmp_path / "tuned"), "--model_name_or_path", str(model_dir)])
     # Resuming: each file a checkpoint is loaded from, refused by name before anything is unpickled.
     for name in ("optimizer.pt", "scheduler.pt", "rng_state.pth"):
         out = tmp_path / f"resume-{name}"
@@ -279,6 +271,7 @@ def _rank_flags(pairs: Path, out: Path) -> list[str]:
     return [*user_flags(pairs), *TINY, "--output_dir", str(out), *flags]
 
 
+@pytest.mark.distributed
 def test_a_stalled_rank_ends_the_run_within_the_ddp_timeout(pairs, tmp_path):
     """Rank 1 is SIGSTOPped at step 3: rank 0 times out (--ddp_timeout 10) and torchrun ends the run."""
     code, output, seconds = run_worker(tmp_path / "r.jsonl", "stop@3:1", _rank_flags(pairs, tmp_path / "o"),
@@ -289,6 +282,7 @@ def test_a_stalled_rank_ends_the_run_within_the_ddp_timeout(pairs, tmp_path):
     assert seconds < 60, seconds
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("fault, shows", [("raise@3:1", "injected failure at step 3 on rank 1"),
                                           ("kill@3:1", "Signal 9 (SIGKILL) received by PID")])  # fmt: skip
 def test_a_dead_rank_ends_the_run_at_once_with_its_error(pairs, tmp_path, fault, shows):
@@ -385,12 +379,12 @@ def _bad_data(root: Path) -> tuple[Path, dict, dict]:
     return path, expected_pixels, bad
 
 
-def test_bad_rows_in_a_users_jsonl_are_reported_and_every_good_row_is_trained_on(train_script, tmp_path):
+def test_bad_rows_in_a_users_jsonl_are_reported_and_every_good_row_is_trained_on(tmp_path):
     pairs, expected_pixels, bad = _bad_data(tmp_path / "data")
     out = tmp_path / "out"
     flags = [*user_flags(pairs), *TINY, "--output_dir", str(out), "--per_device_train_batch_size", "8",
              "--num_train_epochs", "2", "--validation_split_percentage", "20", "--seed", "44"]  # fmt: skip
-    trainer, run = train_script.build_trainer(flags)
+    trainer = setup_run(flags)
     trained_on = Counter()
     compute_loss = trainer.compute_loss
 
@@ -400,23 +394,23 @@ def test_bad_rows_in_a_users_jsonl_are_reported_and_every_good_row_is_trained_on
         return compute_loss(model, inputs, *args, **kwargs)
 
     trainer.compute_loss = counting_compute_loss
-    results = train_script.train_and_save(trainer, run)
-    assert 0 <= results["eval_accuracy"] <= 1
+    results = train_and_save(trainer)
+    assert results["eval_accuracy"] == pytest.approx(correct_by_hand(trainer).mean())
 
     report = [json.loads(line) for line in (out / "quarantine.jsonl").read_text().splitlines()]
     assert {q["id"]: q["reason"].split(":", 1)[0] for q in report} == bad  # exactly the bad rows, for their reasons
     duplicate = next(q for q in report if q["id"] == "g3-1")
     assert duplicate["source"] == "good4.png" and "which is kept" in duplicate["reason"]
 
-    prepared = run.prepared
-    train_ids, eval_ids = list(prepared.pairs["train"]["id"]), list(prepared.pairs["eval"]["id"])
+    train_ids, eval_ids = list(trainer.train_dataset["id"]), list(trainer.eval_dataset["id"])
     all_rows = [json.loads(line) for line in pairs.read_text().splitlines()]
     good = {r["id"] for r in all_rows} - (set(bad) - {"g3-1"})
     assert sorted(train_ids + eval_ids) == sorted(good) and not set(train_ids) & set(eval_ids)
     # Every good training row was trained on, once per epoch; nothing else was.
     assert trained_on == Counter({i: 2 for i in train_ids})
     # Converted images kept with the right pixels (the JPEG within its compression error).
-    pixels = {k: np.asarray(v) for k, v in zip(prepared.images["image_key"], prepared.images["pixel_values"])}
+    images = trainer.data_collator.images.with_format(None)  # the cached images the collator reads
+    pixels = {k: np.asarray(v) for k, v in zip(images["image_key"], images["pixel_values"])}
     for sample_id, expected in expected_pixels.items():
         row = next(r for r in all_rows if r["id"] == sample_id)
         stored = pixels[f"path:{row['image']}"].transpose(1, 2, 0).astype(int)

@@ -13,20 +13,18 @@ The ITC gradient cache (`itc_grad_cache`, mm_fusion/training/grad_cache.py) and 
 
 import importlib.util
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
-from grad_cache_worker import collate, itm_batch, model_inputs, pairs, tiny_config, train_one_step
+from helpers.grad_cache_worker import collate, itm_batch, model_inputs, pairs, tiny_config, train_one_step
+from helpers.launch import run_worker
 
 from mm_fusion import MMFusionForPretraining
 
 
 ROOT = Path(__file__).resolve().parents[1]
-WORKER = Path(__file__).parent / "grad_cache_worker.py"
 TOL = 1e-5
 CACHE_ON = os.environ.get("MM_FUSION_DISABLE_GRAD_CACHE") != "1"
 
@@ -150,14 +148,11 @@ def test_encode_and_fuse_are_the_model_forward(fusion_type):
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
     out_dir = tmp_path_factory.mktemp("grad_cache_2proc")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone", str(WORKER),
-               str(out_dir)]  # fmt: skip
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    run_worker("grad_cache_worker", out_dir, processes=2)
     return [torch.load(out_dir / f"rank{r}.pt") for r in range(2)]
 
 
+@pytest.mark.distributed
 def test_two_ranks_with_accumulation_equal_one_process_with_the_whole_batch(two_ranks):
     """2 processes x 2 micro-batches x 4 pairs: ITC over all 16, as 1 process x 16 (dropout 0)."""
     assert two_ranks[0]["world_size"] == 2
@@ -167,6 +162,7 @@ def test_two_ranks_with_accumulation_equal_one_process_with_the_whole_batch(two_
         assert_equal_to_reference(rank["itc"]["logs"]["loss"], rank["itc"]["grads"], ref_loss, ref_grads)
 
 
+@pytest.mark.distributed
 def test_two_ranks_with_itm_under_the_cache_stay_in_sync(two_ranks):
     first, second = (r["itm_cache"] for r in two_ranks)
     assert first["logs"]["itm_loss"] > 0 and first["grads"].keys() == second["grads"].keys()
@@ -174,6 +170,7 @@ def test_two_ranks_with_itm_under_the_cache_stay_in_sync(two_ranks):
         assert torch.equal(grad, second["grads"][name]), name
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("direction", ["bidirectional", "text_to_image"])
 def test_itm_hard_negatives_come_from_the_global_batch(two_ranks, direction):
     """2 ranks x 4 pairs draw, for a fixed seed, the global negatives of 1 process x 8, with the same loss and

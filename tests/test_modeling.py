@@ -9,7 +9,7 @@ import os
 
 import pytest
 import torch
-from conftest import FUSION_TYPES, expected_output_shapes
+from helpers.models import FUSION_TYPES, expected_output_shapes
 from transformers import (
     AutoConfig,
     AutoModel,

@@ -10,22 +10,19 @@ import numpy as np
 import pytest
 import torch
 from datasets import Dataset
+from helpers.remote_code import BLOCK_MM_FUSION
+from helpers.training import TINY as TINY_RUN
 from PIL import Image
-from remote_code import BLOCK_MM_FUSION
 from transformers import AutoImageProcessor, AutoProcessor, pipeline
 
 import mm_fusion
 from mm_fusion import MMFusionImageProcessor, RetrievalIndex
 from mm_fusion.data import load_easy_vqa, load_pairs, prepare_dataset, uint8_pixels
-from mm_fusion.training import load_metric
+from mm_fusion.training import load_metric, setup_run, train_and_save
 
 
-TINY = [
-    "--image_size", "32", "--patch_size", "16", "--hidden_size", "32", "--num_attention_heads", "2",
-    "--vision_layers", "1", "--text_layers", "1", "--fusion_layers", "1", "--disable_tqdm", "True",
-    "--per_device_train_batch_size", "16", "--per_device_eval_batch_size", "32", "--logging_steps", "1",
-    "--max_train_samples", "64", "--max_eval_samples", "40", "--num_train_epochs", "2",
-]  # fmt: skip
+ROOT = Path(__file__).resolve().parents[1]
+TINY = [*TINY_RUN, "--max_train_samples", "64", "--max_eval_samples", "40", "--num_train_epochs", "2"]
 
 
 def _mode_images(directory: Path) -> list[str]:
@@ -110,11 +107,11 @@ def test_image_processor_errors_name_the_input(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def vqa_run(train_script, tmp_path_factory):
+def vqa_run(tmp_path_factory):
     """A tiny VQA run on easy-VQA; returns its output dir, its final eval accuracy and the eval predictions."""
     out = tmp_path_factory.mktemp("vqa") / "out"
-    trainer, run = train_script.build_trainer(["--output_dir", str(out), *TINY])
-    results = train_script.train_and_save(trainer, run)
+    trainer = setup_run(["--output_dir", str(out), *TINY])
+    results = train_and_save(trainer)
     prediction = trainer.predict(trainer.eval_dataset)
     ids = trainer.eval_dataset["id"]
     predicted = dict(zip(ids, (trainer.model.config.id2label[int(p)] for p in prediction.predictions)))
@@ -226,10 +223,9 @@ def test_pipeline_save_pretrained_keeps_the_processor(vqa_run, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def pretrain_run(train_script, tmp_path_factory):
+def pretrain_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("pretrain") / "out"
-    trainer, run = train_script.build_trainer(["--output_dir", str(out), "--task", "pretrain", *TINY])
-    results = train_script.train_and_save(trainer, run)
+    results = train_and_save(setup_run(["--output_dir", str(out), "--task", "pretrain", *TINY]))
     return out, results
 
 
@@ -381,22 +377,23 @@ def test_shipped_recall_metric_matches_ranks():
 # -- tools: predict, attention maps, push_to_hub -------------------------------------------------------------------
 
 
-def _script(name: str):
-    import importlib.util
+def _run_script(name: str, *args: str) -> subprocess.CompletedProcess:
+    """`python scripts/<name>.py args`, as a user runs it."""
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / f"{name}.py"), *args], capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done
 
-    path = Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(f"mm_fusion_script_{name}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
-
-def test_predict_cli_answers_one_question_and_a_file_keeping_every_row(vqa_run, tmp_path, capsys):
+def test_predict_cli_answers_one_question_and_a_file_keeping_every_row(vqa_run, tmp_path):
     out, _, _ = vqa_run
-    predict = _script("predict")
     rows = _eval_rows(5)
-    (output,) = predict.main(["--model", str(out), "--image", rows[0]["image"], "--question", rows[0]["question"]])
-    assert capsys.readouterr().out.startswith(output[0]["answer"] + "\t")
+    expected = pipeline("image-text-classification", model=str(out))(
+        image=[r["image"] for r in rows[:3]], question=[r["question"] for r in rows[:3]], top_k=2
+    )
+    done = _run_script("predict", "--model", str(out), "--image", rows[0]["image"], "--question", rows[0]["question"])
+    assert done.stdout.startswith(expected[0][0]["answer"] + "\t")
 
     (tmp_path / "notes.png").write_text("text")
     lines = [json.dumps({"image": r["image"], "question": r["question"], "id": r["id"]}) for r in rows[:3]]
@@ -405,19 +402,14 @@ def test_predict_cli_answers_one_question_and_a_file_keeping_every_row(vqa_run, 
     lines.insert(4, json.dumps({"image": rows[0]["image"]}))
     lines.insert(5, "{not json")
     (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
-    results = predict.main(
-        ["--model", str(out), "--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "out.jsonl"),
-         "--top_k", "2", "--batch_size", "3"]
-    )  # fmt: skip
+    _run_script("predict", "--model", str(out), "--input", str(tmp_path / "in.jsonl"), "--output",
+                str(tmp_path / "out.jsonl"), "--top_k", "2", "--batch_size", "3")  # fmt: skip
     written = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
-    assert written == results and [r["row"] for r in written] == list(range(7))
+    assert [r["row"] for r in written] == list(range(7))
     errors = {r["row"]: r["error"] for r in written if "error" in r}
     assert set(errors) == {1, 3, 4, 5}
     assert "missing_image" in errors[1] and "not_an_image" in errors[3]
     assert "missing_column" in errors[4] and "bad_json" in errors[5]
-    expected = pipeline("image-text-classification", model=str(out))(
-        image=[r["image"] for r in rows[:3]], question=[r["question"] for r in rows[:3]], top_k=2
-    )
     answered = [r for r in written if "answers" in r]
     assert [r["id"] for r in answered] == [r["id"] for r in rows[:3]]
     for got, want in zip(answered, expected):
@@ -427,22 +419,26 @@ def test_predict_cli_answers_one_question_and_a_file_keeping_every_row(vqa_run, 
 
 def test_visualize_attention_writes_a_heat_map_per_fusion_layer(vqa_run, tmp_path):
     out, _, _ = vqa_run
-    visualize = _script("visualize_attention")
     row = _eval_rows(1)[0]
-    png = visualize.main(
-        ["--model", str(out), "--image", row["image"], "--question", row["question"], "--output",
-         str(tmp_path / "attention.png")]
-    )  # fmt: skip
+    png = tmp_path / "attention.png"
+    done = _run_script("visualize_attention", "--model", str(out), "--image", row["image"], "--question",
+                       row["question"], "--output", str(png))  # fmt: skip
     assert Image.open(png).size[0] > 300
+    # What it draws: per fusion layer, the question's attention over the 2 x 2 patches (32 px / patch 16) and the
+    # class token, which sums to one, and the answer the model gives.
     model = mm_fusion.MMFusionForImageTextClassification.from_pretrained(out, attn_implementation="eager").eval()
     batch = AutoProcessor.from_pretrained(out)(images=[row["image"]], text=[row["question"]])
-    maps, leading, _ = visualize.attention_maps(model, batch)
-    assert len(maps) == model.config.num_fusion_layers and maps[0].shape == (2, 2)  # 32 px / patch 16
-    for heat, rest in zip(maps, leading):  # attention over the image tokens sums to one
-        assert float(heat.sum()) + rest == pytest.approx(1.0, abs=1e-5)
+    with torch.no_grad():
+        outputs = model(**batch, output_attentions=True)
+    layers = outputs.text_to_image_attentions
+    assert len(layers) == model.config.num_fusion_layers == 1 and layers[0].shape[-1] == 2 * 2 + 1
+    for probabilities in layers:
+        assert torch.allclose(probabilities.sum(-1), torch.ones(()), atol=1e-5)
+    answer = model.config.id2label[int(outputs.logits.argmax())]
+    assert done.stderr.splitlines()[-1].startswith(f"{answer} (")
 
 
-def test_push_to_hub_sends_model_processor_code_pipelines_and_card(train_script, tmp_path, monkeypatch):
+def test_push_to_hub_sends_model_processor_code_pipelines_and_card(tmp_path, monkeypatch):
     """No hub is reachable here: the upload is captured at transformers' hub client (create_repo / upload_folder),
     and the test checks what would have been sent."""
     import transformers.trainer
@@ -465,8 +461,7 @@ def test_push_to_hub_sends_model_processor_code_pipelines_and_card(train_script,
     monkeypatch.setattr(transformers.trainer, "hf_api", lambda: FakeHub())
     flags = ["--output_dir", str(tmp_path / "out"), *TINY, "--push_to_hub", "True", "--hub_model_id", "me/tiny",
              "--save_strategy", "no", "--num_train_epochs", "1"]  # fmt: skip
-    trainer, run = train_script.build_trainer(flags)
-    train_script.train_and_save(trainer, run)
+    train_and_save(setup_run(flags))
     assert sent["repo_id"] == "me/tiny"
     expected = {
         "config.json", "model.safetensors", "processor_config.json", "tokenizer.json", "tokenizer_config.json",

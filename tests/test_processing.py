@@ -1,32 +1,17 @@
 """MMFusionProcessor and the tokenizer-training helper: outputs, save/load round trips, clear errors."""
 
-import numpy as np
 import pytest
 import torch
-from PIL import Image
+from helpers.data import CORPUS, random_images
 from transformers import AutoProcessor, AutoTokenizer
 
 from mm_fusion import MMFusionImageProcessor, MMFusionProcessor, train_tokenizer
-
-
-CORPUS = [
-    "what color is the circle?",
-    "is there a blue triangle in the image?",
-    "what shape is present?",
-    "does the image contain a rectangle?",
-    "is no red shape present?",
-]
 
 
 @pytest.fixture
 def processor() -> MMFusionProcessor:
     tokenizer = train_tokenizer(CORPUS, vocab_size=200, model_max_length=32)
     return MMFusionProcessor(MMFusionImageProcessor(size={"height": 30, "width": 30}), tokenizer)
-
-
-def _images(n: int) -> list[Image.Image]:
-    rng = np.random.default_rng(0)
-    return [Image.fromarray(rng.integers(0, 256, (40 + i, 50, 3), dtype=np.uint8)) for i in range(n)]
 
 
 def test_trained_tokenizer_is_bert_style_and_round_trips(tmp_path):
@@ -44,7 +29,7 @@ def test_trained_tokenizer_is_bert_style_and_round_trips(tmp_path):
 
 
 def test_processor_returns_model_inputs(processor):
-    batch = processor(images=_images(2), text=CORPUS[:2], padding=True, return_tensors="pt")
+    batch = processor(images=random_images(2), text=CORPUS[:2], padding=True, return_tensors="pt")
     assert set(batch.keys()) == {"pixel_values", "input_ids", "attention_mask"}
     assert batch["pixel_values"].shape == (2, 3, 30, 30)
     assert batch["input_ids"].shape == batch["attention_mask"].shape
@@ -59,7 +44,7 @@ def test_processor_round_trips_through_auto_processor(processor, tmp_path):
     processor.save_pretrained(tmp_path)
     reloaded = AutoProcessor.from_pretrained(tmp_path)
     assert type(reloaded) is MMFusionProcessor
-    images, text = _images(3), CORPUS[:3]
+    images, text = random_images(3), CORPUS[:3]
     a = processor(images=images, text=text, padding=True, return_tensors="pt")
     b = reloaded(images=images, text=text, padding=True, return_tensors="pt")
     assert a.keys() == b.keys()
@@ -69,6 +54,6 @@ def test_processor_round_trips_through_auto_processor(processor, tmp_path):
 
 def test_processor_refuses_mismatched_counts(processor):
     with pytest.raises(ValueError, match="Got 3 images and 2 texts"):
-        processor(images=_images(3), text=CORPUS[:2], padding=True)
+        processor(images=random_images(3), text=CORPUS[:2], padding=True)
     with pytest.raises(ValueError, match="Got 2 images and 1 texts"):
-        processor(images=_images(2), text=CORPUS[0])
+        processor(images=random_images(2), text=CORPUS[0])

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from PIL import Image
-from remote_code import BLOCK_MM_FUSION
+from helpers.remote_code import BLOCK_MM_FUSION
 from safetensors.torch import load_file
 from transformers import AutoModelForPreTraining, AutoModelForVisualQuestionAnswering, AutoProcessor, pipeline
 

@@ -9,35 +9,42 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers.training import TINY, correct_by_hand, recall_by_hand, train
 from PIL import Image
 from transformers import AutoModelForPreTraining, AutoModelForVisualQuestionAnswering, AutoProcessor
 
 from mm_fusion.training import (
+    MMFusionArgumentParser,
     MMFusionImageGroupedSampler,
     MMFusionMonitorCallback,
     MMFusionTrainingArguments,
     add_monitor,
     load_metric,
+    setup_run,
+    train_and_save,
 )
 
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY = [
-    "--image_size", "32", "--patch_size", "16", "--hidden_size", "32", "--num_attention_heads", "2",
-    "--vision_layers", "1", "--text_layers", "1", "--fusion_layers", "1", "--disable_tqdm", "True",
-    "--per_device_train_batch_size", "16", "--per_device_eval_batch_size", "32", "--logging_steps", "1",
-]  # fmt: skip
 
 
-def run(train_script, tmp_path, *flags, samples=64):
+def tiny_args(tmp_path, *extra, samples=64) -> list[str]:
+    """A tiny easy-VQA run's arguments: `samples` training pairs, 40 evaluation pairs."""
     argv = ["--output_dir", str(tmp_path / "out"), "--max_train_samples", str(samples), "--max_eval_samples", "40"]
-    return train_script.main([*argv, *TINY, *flags])
+    return [*argv, *TINY, *extra]
 
 
-def test_vqa_run_saves_a_loadable_model_with_its_card(train_script, tmp_path):
-    results = run(train_script, tmp_path, "--num_train_epochs", "2")
+def run(tmp_path, *extra, samples=64) -> dict:
+    return train(tiny_args(tmp_path, *extra, samples=samples))
+
+
+def parse(argv: list[str]):
+    return MMFusionArgumentParser().parse_args_and_config(argv)
+
+
+def test_vqa_run_saves_a_loadable_model_with_its_card(tmp_path):
+    results = run(tmp_path, "--num_train_epochs", "2")
     out = tmp_path / "out"
-    assert 0.0 <= results["eval_accuracy"] <= 1.0
     model = AutoModelForVisualQuestionAnswering.from_pretrained(out, trust_remote_code=True)
     processor = AutoProcessor.from_pretrained(out, trust_remote_code=True)
     assert model.config.num_labels == 13 and model.config.id2label[0] == "circle"
@@ -58,26 +65,17 @@ def test_vqa_run_saves_a_loadable_model_with_its_card(train_script, tmp_path):
     evals = [h for h in state["log_history"] if "eval_loss" in h]
     assert [h["step"] for h in evals].count(state["global_step"]) == 1 and evals[-1]["step"] == state["global_step"]
     assert results["eval_accuracy"] == evals[-1]["eval_accuracy"] and results["eval_loss"] == evals[-1]["eval_loss"]
-    served = train_script.build_trainer(
-        [
-            "--output_dir",
-            str(tmp_path / "again"),
-            "--model_name_or_path",
-            str(out),
-            "--max_train_samples",
-            "64",
-            "--max_eval_samples",
-            "40",
-            *TINY,
-        ]
-    )[0]
-    assert served.evaluate()["eval_accuracy"] == results["eval_accuracy"]  # the saved model scores what was reported
+    # The saved model scores what was reported, by Trainer's evaluation and counted by hand from its logits.
+    served = setup_run(tiny_args(tmp_path, "--output_dir", str(tmp_path / "again"), "--model_name_or_path", str(out)))
+    assert served.evaluate()["eval_accuracy"] == results["eval_accuracy"]
+    correct = correct_by_hand(served)
+    assert len(correct) == 40 and results["eval_accuracy"] == pytest.approx(correct.mean())
 
 
-def test_yaml_config_with_flag_overrides(train_script, tmp_path):
+def test_yaml_config_with_flag_overrides(tmp_path):
     config = tmp_path / "run.yaml"
     config.write_text("num_train_epochs: 1\nlearning_rate: 0.002\nfusion_type: late\nreport_to: [none]\n")
-    trainer, run_ = train_script.build_trainer(
+    trainer = setup_run(
         [str(config), "--output_dir", str(tmp_path / "out"), "--max_train_samples", "16", *TINY,
          "--fusion_type", "cross_attention"]
     )  # fmt: skip
@@ -85,12 +83,13 @@ def test_yaml_config_with_flag_overrides(train_script, tmp_path):
     assert trainer.model.config.fusion_type == "cross_attention"  # the flag after the file wins
 
 
-def test_pretrain_task_reports_retrieval_recall(train_script, tmp_path):
-    results = run(train_script, tmp_path, "--task", "pretrain", "--num_train_epochs", "1", samples=32)
-    for direction in ("text_to_image", "image_to_text"):
-        for k in (1, 5, 10):
-            assert 0.0 <= results[f"eval_{direction}_R@{k}"] <= 1.0
-    assert results["eval_text_to_image_R@10"] >= results["eval_text_to_image_R@1"]
+def test_pretrain_task_reports_retrieval_recall(tmp_path):
+    trainer = setup_run(tiny_args(tmp_path, "--task", "pretrain", "--num_train_epochs", "1", samples=32))
+    results = train_and_save(trainer)
+    for k in (1, 5, 10):  # the reported recall is the one counted by hand from the model's embeddings
+        for key, value in recall_by_hand(trainer, k).items():
+            assert results[f"eval_{key}"] == pytest.approx(value), key
+    assert results["eval_text_to_image_R@10"] > results["eval_text_to_image_R@1"]
     model = AutoModelForPreTraining.from_pretrained(tmp_path / "out", trust_remote_code=True)
     assert type(model).__name__ == "MMFusionForPretraining"
 
@@ -107,30 +106,30 @@ def make_pairs(directory: Path, n: int, labels=("cat", "dog")) -> Path:
     return directory / "pairs.jsonl"
 
 
-def test_classify_task_on_local_files(train_script, tmp_path):
+def test_classify_task_on_local_files(tmp_path):
     pairs = make_pairs(tmp_path / "data", 24)
-    flags = ["--task", "classify", "--dataset", str(pairs), "--data_root", str(tmp_path / "data"), "--image_column",
+    classify = ["--task", "classify", "--dataset", str(pairs), "--data_root", str(tmp_path / "data"), "--image_column",
              "file", "--text_column", "caption", "--label_column", "label", "--validation_split_percentage", "25",
              "--num_train_epochs", "1"]  # fmt: skip
-    results = run(train_script, tmp_path, *flags)
-    assert 0.0 <= results["eval_accuracy"] <= 1.0
+    trainer = setup_run(tiny_args(tmp_path, *classify))
+    results = train_and_save(trainer)
+    correct = correct_by_hand(trainer)
+    assert len(correct) == 6 and results["eval_accuracy"] == pytest.approx(correct.mean())  # 25% of 24 pairs
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert config["id2label"] == {"0": "cat", "1": "dog"}
 
 
-def test_trainer_features_accumulation_checkpointing_bf16_resume(train_script, tmp_path):
+def test_trainer_features_accumulation_checkpointing_bf16_resume(tmp_path):
     flags = ["--num_train_epochs", "2", "--gradient_accumulation_steps", "2", "--gradient_checkpointing", "True",
              "--bf16", "True", "--auto_find_batch_size", "True", "--train_sampling_strategy", "group_by_length",
              "--save_strategy", "steps", "--save_steps", "2", "--eval_strategy", "no"]  # fmt: skip
-    trainer, run_ = train_script.build_trainer(
-        ["--output_dir", str(tmp_path / "out"), "--max_train_samples", "64", *TINY, *flags]
-    )
-    train_script.train_and_save(trainer, run_)
+    trainer = setup_run(["--output_dir", str(tmp_path / "out"), "--max_train_samples", "64", *TINY, *flags])
+    train_and_save(trainer)
     assert trainer.model.is_gradient_checkpointing
     assert trainer.state.global_step == 4  # 64 pairs / (16 x 2 accumulated) x 2 epochs
     assert (tmp_path / "out" / "checkpoint-2" / "trainer_state.json").is_file()
     # Resuming from the step-2 checkpoint continues to the same final step.
-    trainer, run_ = train_script.build_trainer(
+    trainer = setup_run(
         [
             "--output_dir",
             str(tmp_path / "out"),
@@ -142,7 +141,7 @@ def test_trainer_features_accumulation_checkpointing_bf16_resume(train_script, t
             str(tmp_path / "out" / "checkpoint-2"),
         ]  # fmt: skip
     )
-    train_script.train_and_save(trainer, run_)
+    train_and_save(trainer)
     assert trainer.state.global_step == 4
     # push_to_hub writes the model card through `create_model_card`: it must be ours, not Trainer's generic one.
     (tmp_path / "out" / "README.md").unlink()
@@ -150,14 +149,14 @@ def test_trainer_features_accumulation_checkpointing_bf16_resume(train_script, t
     assert "## How to use" in (tmp_path / "out" / "README.md").read_text()
 
 
-def test_gradient_accumulation_matches_the_full_batch(train_script, tmp_path):
+def test_gradient_accumulation_matches_the_full_batch(tmp_path):
     """Trainer must not rescale the heads' mean losses (`accepts_loss_kwargs = False`)."""
     weights = []
     for batch, accumulation in ((16, 1), (8, 2)):
         flags = ["--per_device_train_batch_size", str(batch), "--gradient_accumulation_steps", str(accumulation),
                  "--train_sampling_strategy", "sequential", "--dropout", "0", "--max_steps", "2",
                  "--eval_strategy", "no", "--save_strategy", "no", "--seed", "0", "--warmup_steps", "0"]  # fmt: skip
-        trainer, run_ = train_script.build_trainer(
+        trainer = setup_run(
             ["--output_dir", str(tmp_path / f"out{batch}"), "--max_train_samples", "32", *TINY, *flags]
         )
         trainer.train()
@@ -166,9 +165,9 @@ def test_gradient_accumulation_matches_the_full_batch(train_script, tmp_path):
         torch.testing.assert_close(weights[1][name], value, rtol=1e-4, atol=1e-6, msg=name)
 
 
-def test_early_stopping_stops_and_keeps_the_best(train_script, tmp_path):
+def test_early_stopping_stops_and_keeps_the_best(tmp_path):
     results = run(
-        train_script, tmp_path, "--num_train_epochs", "20", "--early_stopping_patience", "1",
+        tmp_path, "--num_train_epochs", "20", "--early_stopping_patience", "1",
         "--learning_rate", "0", "--eval_strategy", "epoch", "--save_strategy", "epoch", samples=16,
     )  # fmt: skip
     # With learning rate 0 nothing improves: it stops after the first evaluation that fails to beat the best.
@@ -176,7 +175,7 @@ def test_early_stopping_stops_and_keeps_the_best(train_script, tmp_path):
 
 
 @pytest.mark.parametrize(
-    "flags, message",
+    "bad, message",
     [
         (["--text_column", "nope"], "available columns"),
         (["--text_column", "image_id"], "must hold text"),
@@ -189,15 +188,15 @@ def test_early_stopping_stops_and_keeps_the_best(train_script, tmp_path):
         (["--fp16", "True"], "fp16 needs a GPU"),
     ],
 )
-def test_bad_configuration_gets_a_clear_error(train_script, tmp_path, flags, message):
+def test_bad_configuration_gets_a_clear_error(tmp_path, bad, message):
     with pytest.raises(ValueError, match=message):
-        run(train_script, tmp_path, "--max_eval_samples", "400", *flags, samples=8)
+        run(tmp_path, "--max_eval_samples", "400", *bad, samples=8)
 
 
-def test_accelerate_fsdp_config_without_gpu_is_refused(train_script, tmp_path, monkeypatch):
+def test_accelerate_fsdp_config_without_gpu_is_refused(tmp_path, monkeypatch):
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
     with pytest.raises(RuntimeError, match="FSDP, which needs GPUs"):
-        run(train_script, tmp_path, samples=8)
+        run(tmp_path, samples=8)
 
 
 def test_cpu_threads_replace_only_accelerate_launch_default():
@@ -250,9 +249,9 @@ def test_shipped_accelerate_configs_parse():
     assert kinds == {"fsdp": "FSDP", "multi_cpu": "MULTI_CPU", "multi_gpu": "MULTI_GPU", "single_gpu": "NO"}
 
 
-def test_shipped_training_config_parses_to_the_benchmarked_recipe(train_script):
+def test_shipped_training_config_parses_to_the_benchmarked_recipe():
     # An unknown key in a shipped config would fail here (HfArgumentParser rejects it), not after a user's install.
-    model_args, data_args, training_args = train_script.parse_args([str(ROOT / "scripts/configs/easy_vqa_full.yaml")])
+    model_args, data_args, training_args = parse([str(ROOT / "scripts/configs/easy_vqa_full.yaml")])
     assert (model_args.fusion_type, model_args.dropout, data_args.augment) == ("hierarchical", 0.0, False)
     assert training_args.num_train_epochs == 14 and training_args.output_dir == "outputs/easy_vqa_full"
 
@@ -288,13 +287,13 @@ def _runs(rows):
     return out
 
 
-def test_collator_blanks_a_modality_for_ablations(train_script, tmp_path):
-    trainer, _ = train_script.build_trainer(
+def test_collator_blanks_a_modality_for_ablations(tmp_path):
+    trainer = setup_run(
         ["--output_dir", str(tmp_path / "out"), "--max_train_samples", "8", *TINY, "--ablation", "image_only"]
     )
     batch = trainer.data_collator([trainer.train_dataset[i] for i in range(4)])
     assert batch["input_ids"].shape[1] == 2 and batch["pixel_values"].any()
-    trainer, _ = train_script.build_trainer(
+    trainer = setup_run(
         ["--output_dir", str(tmp_path / "out"), "--max_train_samples", "8", *TINY, "--ablation", "text_only"]
     )
     batch = trainer.data_collator([trainer.train_dataset[i] for i in range(4)])
@@ -312,13 +311,11 @@ class _SlowCollator:
         return self.collator(features)
 
 
-def test_monitor_measures_data_wait_and_warns(train_script, tmp_path, caplog):
+def test_monitor_measures_data_wait_and_warns(tmp_path, caplog):
     delay, batch = 0.5, 4
     flags = ["--eval_strategy", "no", "--save_strategy", "no", "--per_device_train_batch_size", str(batch),
              "--logging_steps", "4", "--num_train_epochs", "1"]  # fmt: skip
-    trainer, _ = train_script.build_trainer(
-        ["--output_dir", str(tmp_path / "out"), "--max_train_samples", "32", *TINY, *flags]
-    )
+    trainer = setup_run(["--output_dir", str(tmp_path / "out"), "--max_train_samples", "32", *TINY, *flags])
     trainer.data_collator = _SlowCollator(trainer.data_collator, delay)
     with caplog.at_level(logging.WARNING, logger="mm_fusion.training.callbacks"):
         trainer.train()
@@ -335,8 +332,8 @@ def test_monitor_measures_data_wait_and_warns(train_script, tmp_path, caplog):
     assert "waiting for data" in caplog.text
 
 
-def test_add_monitor_runs_before_the_reporters(train_script, tmp_path):
-    trainer, _ = train_script.build_trainer(["--output_dir", str(tmp_path / "out"), "--max_train_samples", "8", *TINY])
+def test_add_monitor_runs_before_the_reporters(tmp_path):
+    trainer = setup_run(["--output_dir", str(tmp_path / "out"), "--max_train_samples", "8", *TINY])
     assert isinstance(trainer.callback_handler.callbacks[0], MMFusionMonitorCallback)
     assert sum(isinstance(c, MMFusionMonitorCallback) for c in trainer.callback_handler.callbacks) == 1
     assert callable(add_monitor)
@@ -416,37 +413,35 @@ def test_every_script_help_runs(script):
         assert "--validation_split_percentage" in text and "hold out this percentage of the training pairs" in text
 
 
-def test_config_keys_and_flags_must_be_spelt_out(train_script, tmp_path):
+def test_config_keys_and_flags_must_be_spelt_out(tmp_path):
     """argparse would take `learning_rat` as an abbreviation of `learning_rate`."""
     config = tmp_path / "run.yaml"
     config.write_text("num_train_epochs: 1\nlearning_rat: 0.1\n")
     with pytest.raises(ValueError, match=r"run.yaml: 'learning_rat' is not an option.*Did you mean 'learning_rate'"):
-        train_script.parse_args([str(config)])
+        parse([str(config)])
     with pytest.raises(ValueError, match="learning_rat"):
-        train_script.parse_args(["--learning_rat", "0.1"])
+        parse(["--learning_rat", "0.1"])
 
 
-def test_no_evaluation_data_is_an_error_before_any_preprocessing(train_script, tmp_path):
+def test_no_evaluation_data_is_an_error_before_any_preprocessing(tmp_path):
     pairs = make_pairs(tmp_path / "data", 8)
     flags = ["--task", "classify", "--dataset", str(pairs), "--data_root", str(tmp_path / "data"), "--image_column",
              "file", "--text_column", "caption", "--label_column", "label"]  # fmt: skip
     with pytest.raises(ValueError, match="--eval_strategy steps needs evaluation pairs.*--eval_strategy no"):
-        train_script.build_trainer(["--output_dir", str(tmp_path / "out"), *TINY, *flags])
+        setup_run(["--output_dir", str(tmp_path / "out"), *TINY, *flags])
     assert not (tmp_path / "out").exists()  # nothing was preprocessed or written
-    trainer, _ = train_script.build_trainer(
-        ["--output_dir", str(tmp_path / "out"), *TINY, *flags, "--eval_strategy", "no"]
-    )
+    trainer = setup_run(["--output_dir", str(tmp_path / "out"), *TINY, *flags, "--eval_strategy", "no"])
     assert trainer.eval_dataset is None
 
 
-def test_a_given_tokenizer_and_a_fresh_nested_output_dir(train_script, tmp_path):
+def test_a_given_tokenizer_and_a_fresh_nested_output_dir(tmp_path):
     from mm_fusion import train_tokenizer
 
     train_tokenizer(["what shape is it?", "what colour is the circle?"], vocab_size=300).save_pretrained(
         tmp_path / "tok"
     )
     out = tmp_path / "new" / "nested" / "out"
-    run(train_script, tmp_path, "--output_dir", str(out), "--tokenizer_name_or_path", str(tmp_path / "tok"),
+    run(tmp_path, "--output_dir", str(out), "--tokenizer_name_or_path", str(tmp_path / "tok"),
         "--max_steps", "1", "--eval_strategy", "no", samples=16)  # fmt: skip
     assert (out / "quarantine.jsonl").read_text() == "" and (out / "model.safetensors").is_file()
 

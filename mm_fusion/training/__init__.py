@@ -1,18 +1,17 @@
-"""Training with `Trainer` / Accelerate: arguments, trainer, monitor, metrics and model card of `scripts/train.py`.
+"""
+Training with `Trainer` / Accelerate, the library side of `scripts/train.py`, a module a step: `arguments` (1, parse),
+`data` (2, the pairs), `models` (3, tokenizer, model, processor), `run` (4 to 7: trainer, evaluation, saving), with
+the trainer, its monitor, metrics, checkpoints, samplers, gradient cache and model card beside them.
 
 Not imported by `mm_fusion` itself: the library never pulls in the training stack (open_clip's split).
 """
 
-from .arguments import DataArguments, MMFusionTrainingArguments, ModelArguments
-from .builders import (
-    build_config,
-    check_columns,
-    check_eval_data,
-    encode_labels,
-    load_raw_datasets,
-    model_class,
-    parse_overrides,
-    split_off_eval,
+from .arguments import (
+    MAIN_METRICS,
+    DataArguments,
+    MMFusionArgumentParser,
+    MMFusionTrainingArguments,
+    ModelArguments,
 )
 from .callbacks import MMFusionMonitorCallback, add_monitor
 from .checkpoints import (
@@ -21,42 +20,73 @@ from .checkpoints import (
     load_checkpoint_weights,
     resolve_resume_checkpoint,
 )
+from .data import (
+    TrainingData,
+    build_collators,
+    check_columns,
+    check_eval_data,
+    encode_labels,
+    load_raw_datasets,
+    load_training_data,
+    parse_overrides,
+    prepare_training_data,
+    split_off_eval,
+)
 from .grad_cache import ITCGradCache, build_itc_cache, cached_micro_batch_loss, train_window
-from .launch import check_launch, model_card_context
-from .metrics import load_metric
-from .model_card import plot_training_curves, write_model_card
+from .launch import check_launch
+from .metrics import classification_metrics, load_metric, retrieval_metrics
+from .model_card import MMFusionModelCard, model_card_context, plot_training_curves, write_model_card
+from .models import build_config, build_model, build_model_and_processor, build_tokenizer, model_class
+from .run import build_trainer, final_metrics, save_run, setup_run, train_and_save
 from .sampler import MMFusionImageGroupedSampler, MMFusionLengthGroupedSampler
 from .trainer import MMFusionTrainer
 
 
 __all__ = [
+    "MAIN_METRICS",
     "CheckpointError",
     "DataArguments",
     "ITCGradCache",
+    "MMFusionArgumentParser",
     "MMFusionImageGroupedSampler",
     "MMFusionLengthGroupedSampler",
+    "MMFusionModelCard",
     "MMFusionMonitorCallback",
     "MMFusionTrainer",
     "MMFusionTrainingArguments",
     "ModelArguments",
+    "TrainingData",
     "add_monitor",
+    "build_collators",
     "build_config",
     "build_itc_cache",
+    "build_model",
+    "build_model_and_processor",
+    "build_tokenizer",
+    "build_trainer",
     "cached_micro_batch_loss",
     "check_columns",
     "check_eval_data",
     "check_launch",
     "checkpoint_problem",
+    "classification_metrics",
     "encode_labels",
+    "final_metrics",
     "load_checkpoint_weights",
     "load_metric",
     "load_raw_datasets",
+    "load_training_data",
     "model_card_context",
     "model_class",
     "parse_overrides",
     "plot_training_curves",
+    "prepare_training_data",
     "resolve_resume_checkpoint",
+    "retrieval_metrics",
+    "save_run",
+    "setup_run",
     "split_off_eval",
+    "train_and_save",
     "train_window",
     "write_model_card",
 ]

@@ -1,15 +1,26 @@
-"""Argument dataclasses of `scripts/train.py`, parsed with `HfArgumentParser` from flags or a YAML / JSON file."""
+"""The arguments of `scripts/train.py`: three dataclasses, and [`MMFusionArgumentParser`] that reads them from flags
+and / or a YAML / JSON config file."""
 
+import dataclasses
+import difflib
+import json
 import os
+import sys
 from dataclasses import dataclass, field
 from datetime import timedelta
 from functools import cached_property
+from pathlib import Path
 
 import torch
-from transformers import TrainingArguments
+from transformers import HfArgumentParser, TrainingArguments
+
+from .checkpoints import resolve_resume_checkpoint
+from .launch import check_launch
 
 
 TASKS = ("vqa", "classify", "pretrain")
+# The evaluation metric each task is judged by (`metric_for_best_model` of early stopping, the printed result).
+MAIN_METRICS = {"vqa": "accuracy", "classify": "accuracy", "pretrain": "mean_recall"}
 ABLATIONS = ("none", "image_only", "text_only")
 
 
@@ -275,3 +286,77 @@ class MMFusionTrainingArguments(TrainingArguments):
                 backend=self.ddp_backend or "gloo", timeout=timedelta(seconds=self.ddp_timeout)
             )
         return TrainingArguments._setup_devices.func(self)
+
+
+class MMFusionArgumentParser(HfArgumentParser):
+    """
+    `HfArgumentParser` over [`ModelArguments`], [`DataArguments`] and [`MMFusionTrainingArguments`] that also reads a
+    config file, as trl's `TrlParser.parse_args_and_config` does. Abbreviations are refused: `--learning_rat` (or a
+    config key `learning_rat`) is an error, not `--learning_rate`.
+
+    Example:
+
+    ```python
+    >>> from mm_fusion.training import MMFusionArgumentParser
+
+    >>> model_args, data_args, training_args = MMFusionArgumentParser().parse_args_and_config(
+    ...     ["scripts/configs/easy_vqa_full.yaml", "--num_train_epochs", "1"]
+    ... )
+    ```
+    """
+
+    def __init__(self, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__((ModelArguments, DataArguments, MMFusionTrainingArguments), **kwargs)
+
+    def parse_args_and_config(
+        self, args: list[str] | None = None
+    ) -> tuple[ModelArguments, DataArguments, MMFusionTrainingArguments]:
+        """
+        Flags, or a YAML / JSON file as the first argument with flags after it overriding its values (`args`: the
+        command line without the program, `sys.argv[1:]` by default). Then what depends on several dataclasses is
+        settled: the defaults that follow from the task, and the checkpoint to resume from, found and checked; and
+        the launch is checked against this machine.
+        """
+        argv = list(sys.argv[1:] if args is None else args)
+        if argv and argv[0].endswith((".yaml", ".yml", ".json")):
+            argv = self._config_flags(Path(argv.pop(0))) + argv
+        model_args, data_args, training_args = self.parse_args_into_dataclasses(args=argv)
+        check_launch(training_args)
+        task = model_args.task
+        if training_args.group_by_image is None:
+            # Batches of one image's questions encode it once; for pretraining they would be each other's negatives.
+            random_order = training_args.train_sampling_strategy == "random"
+            training_args.group_by_image = task != "pretrain" and random_order
+        if task == "pretrain":
+            training_args.label_names = ["image_rows"]  # the labels of retrieval evaluation: each pair's image
+        if training_args.early_stopping_patience is not None and training_args.metric_for_best_model_is_default:
+            # "Best" is the task's metric (TrainingArguments alone would pick the evaluation loss).
+            training_args.metric_for_best_model = MAIN_METRICS[task]
+            training_args.greater_is_better = True
+        training_args.resume_from_checkpoint = resolve_resume_checkpoint(
+            training_args.resume_from_checkpoint, training_args.output_dir
+        )
+        return model_args, data_args, training_args
+
+    def _config_flags(self, path: Path) -> list[str]:
+        """The options of a config file as flags; an unknown key is an error that suggests the closest option."""
+        if not path.is_file():
+            raise FileNotFoundError(f"Config file {path} does not exist.")
+        if path.suffix == ".json":
+            values = json.loads(path.read_text())
+        else:
+            import yaml
+
+            values = yaml.safe_load(path.read_text())
+        if not isinstance(values, dict):
+            raise ValueError(f"Config file {path} must hold a mapping of option: value, got {type(values).__name__}.")
+        known = {f.name for cls in self.dataclass_types for f in dataclasses.fields(cls) if f.init}
+        flags = []
+        for key, value in values.items():
+            if key not in known:
+                close = difflib.get_close_matches(str(key), known, n=1)
+                hint = f" Did you mean {close[0]!r}?" if close else " `--help` lists the options."
+                raise ValueError(f"Config file {path}: {key!r} is not an option of scripts/train.py.{hint}")
+            flags += [f"--{key}", *(map(str, value) if isinstance(value, list) else [str(value)])]
+        return flags

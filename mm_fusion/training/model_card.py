@@ -1,10 +1,19 @@
 """The model card of a training run: a Jinja template filled with the run's model, data, metrics and curves."""
 
 import json
+import os
 import platform
+import shlex
+import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
+
+# The template of `model_cards/`, beside the package in a checkout (an editable install).
+MODEL_CARD_TEMPLATE = Path(__file__).resolve().parents[2] / "model_cards" / "mm_fusion_model_card.md.j2"
 
 CURVES_FILE = "training_curves.png"
 
@@ -95,3 +104,138 @@ def write_model_card(template_path: str | Path, output_dir: str | Path, context:
     path = output_dir / "README.md"
     path.write_text(card)
     return path
+
+
+TASK_DESCRIPTIONS = {
+    "vqa": ("visual question answering", "visual-question-answering", "classifier over the answers"),
+    "classify": ("image-text classification", "visual-question-answering", "classifier over the classes"),
+    "pretrain": (
+        "image-text retrieval / matching",
+        "zero-shot-image-classification",
+        "contrastive (ITC) and matching (ITM)",
+    ),
+}
+FUSION_DESCRIPTIONS = {
+    "hierarchical": "hierarchical cross-attention bridges (fusion layers fed from several tower layers)",
+    "cross_attention": "a co-attention stack over the towers' final features",
+    "late": "late fusion (pooled, projected tower features only; a dual encoder)",
+}
+
+
+def hardware() -> str:
+    """The devices of this run, in words."""
+    if torch.cuda.is_available():
+        return f"{torch.cuda.device_count()} x {torch.cuda.get_device_name()}"
+    return f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
+
+
+@dataclass
+class MMFusionModelCard:
+    """
+    The card of a `scripts/train.py` run, which [`MMFusionTrainer`] writes (`model_card_writer=card.write`) at the end
+    of training and on `push_to_hub`: the template filled from the run's arguments, its data and the trainer's final
+    state ([`model_card_context`]).
+
+    Args:
+        model_args ([`ModelArguments`]), data_args ([`DataArguments`]): the run's arguments.
+        prepared ([`PreparedData`]): the run's preprocessed pairs and quarantine.
+        main_metric (`str`): the evaluation metric the card leads with.
+        command (`list[str]`, *optional*): the arguments the run was started with (default: `sys.argv[1:]`).
+        template (`str` or `Path`): the Jinja template.
+    """
+
+    model_args: Any
+    data_args: Any
+    prepared: Any
+    main_metric: str
+    command: list[str] | None = None
+    template: str | Path = MODEL_CARD_TEMPLATE
+
+    def write(self, trainer) -> Path:
+        """Write `README.md` (and `training_curves.png`) into the trainer's `output_dir`; returns the card's path."""
+        context = model_card_context(
+            trainer, self.model_args, self.data_args, trainer.args, self.prepared, self.main_metric, self.command
+        )
+        return write_model_card(self.template, trainer.args.output_dir, context)
+
+
+def model_card_context(
+    trainer, model_args, data_args, training_args, prepared, main_metric: str, argv: list[str] | None
+) -> dict:
+    """Everything the model card template shows, from the finished run."""
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    config = model.config
+    history = trainer.state.log_history
+    evals = [h for h in history if "eval_loss" in h]
+    metrics = {k[len("eval_") :]: v for k, v in (evals[-1] if evals else {}).items() if k.startswith("eval_")}
+    metrics = {k: v for k, v in metrics.items() if isinstance(v, float) and not k.endswith(("runtime", "per_second"))}
+    train = next((h for h in reversed(history) if "train_runtime" in h), {})
+    task = model_args.task
+    description, pipeline_tag, head = TASK_DESCRIPTIONS[task]
+    train_pairs = prepared.pairs["train"]
+    eval_pairs = prepared.pairs["eval"] if "eval" in prepared.pairs else None
+    easy = data_args.dataset == "easy_vqa"
+    precision = "bf16" if training_args.bf16 else "fp16" if training_args.fp16 else "fp32"
+    args = sys.argv[1:] if argv is None else argv
+    auto_class = "AutoModelForPreTraining" if task == "pretrain" else "AutoModelForVisualQuestionAnswering"
+    return {
+        "model_name": os.path.basename(os.path.normpath(training_args.output_dir)),
+        "task": task,
+        "task_description": description,
+        "pipeline_tag": pipeline_tag,
+        "head": head + (f" ({config.num_labels} classes)" if task != "pretrain" else ""),
+        "fusion_type": config.fusion_type,
+        "fusion_description": FUSION_DESCRIPTIONS[config.fusion_type],
+        "num_fusion_layers": config.num_fusion_layers,
+        "fusion_direction_description": (
+            "text attends to image; image keys / values shared by the texts of an image"
+            if config.fusion_direction == "text_to_image"
+            else "co-attention, both directions"
+        ),
+        "fusion_hidden_size": config.fusion_hidden_size,
+        "vision": config.vision_config,
+        "text": config.text_config,
+        "num_parameters": sum(p.numel() for p in model.parameters()),
+        "from_scratch": not (
+            model_args.model_name_or_path or model_args.vision_model_name_or_path or model_args.text_model_name_or_path
+        ),
+        "dataset_name": "easy-VQA" if easy else data_args.dataset,
+        "dataset_id": None if easy or os.path.exists(data_args.dataset) else data_args.dataset,
+        "dataset_description": (
+            "easy-VQA (the `easy-vqa` PyPI package, MIT): 64x64 images of one coloured shape, questions about "
+            "its shape, colour and presence, 13 answers."
+            if easy
+            else f"Pairs from `{data_args.dataset}`."
+        ),
+        "eval_split": data_args.eval_split if easy or data_args.eval_split else "eval",
+        "train_pairs": len(train_pairs),
+        "eval_pairs": len(eval_pairs) if eval_pairs is not None else 0,
+        "train_images": len(set(train_pairs["image_index"])),
+        "quarantined": len(prepared.quarantine),
+        "image_mean": [round(x, 3) for x in config.image_mean],
+        "image_std": [round(x, 3) for x in config.image_std],
+        "metrics": metrics,
+        "main_metric": main_metric,
+        "log_history": history,
+        "command": "scripts/train.py" + ("" if not args else " " + shlex.join(args)),
+        "epochs": training_args.num_train_epochs,
+        "steps": trainer.state.global_step,
+        "global_batch_size": training_args.per_device_train_batch_size
+        * training_args.gradient_accumulation_steps
+        * training_args.world_size,
+        "learning_rate": training_args.learning_rate,
+        "lr_scheduler": str(training_args.lr_scheduler_type).split(".")[-1].lower(),
+        "weight_decay": training_args.weight_decay,
+        "precision": precision,
+        "batching": (
+            "grouped by image" if training_args.group_by_image else str(training_args.train_sampling_strategy)
+        ),
+        "hardware": f"{hardware()}, {training_args.world_size} process(es)",
+        "train_runtime": train.get("train_runtime", 0.0),
+        "train_loss": train.get("train_loss"),
+        "resumed_from_step": getattr(trainer, "resumed_from_step", None),
+        "train_samples_per_second": train.get("train_samples_per_second", 0.0),
+        "repo_or_path": training_args.hub_model_id or training_args.output_dir,
+        "auto_class": auto_class,
+        "example_text": "what shape is in the image?" if easy else "a photo",
+    }

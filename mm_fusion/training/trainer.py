@@ -44,7 +44,7 @@ class MMFusionTrainer(Trainer):
 
     Everything else (mixed precision, accumulation, checkpoint writing, `gather_for_metrics`, RNG and data-order
     restoring) is Trainer's.
-    The model card is written by `mm_fusion.training.write_model_card` (`model_card_writer`), also on `push_to_hub`.
+    `model_card_writer` (e.g. [`MMFusionModelCard`]'s `write`) writes the model card, on `push_to_hub` too.
     """
 
     def __init__(self, *args, model_card_writer=None, eval_data_collator=None, **kwargs):

@@ -1,7 +1,7 @@
 """
 Run by tests/test_grad_cache.py under `torchrun --nproc_per_node 2` (gloo, CPU); its helpers are shared with the test.
 
-Usage: torchrun --nproc_per_node 2 tests/grad_cache_worker.py OUT_DIR
+Usage: torchrun --nproc_per_node 2 -m helpers.grad_cache_worker OUT_DIR (helpers.launch)
 
 Every rank writes OUT_DIR/rank{r}.pt with:
 - `itm`: per fusion direction, ITM on a global batch of 8 pairs, 4 per rank (the ranks' texts padded to different
@@ -18,9 +18,9 @@ import tempfile
 from pathlib import Path
 
 import torch
-from conftest import MMFusionModelTester
 from transformers import TrainerCallback
 
+from helpers.models import MMFusionModelTester
 from mm_fusion import MMFusionForPretraining
 from mm_fusion.training import MMFusionTrainer, MMFusionTrainingArguments
 

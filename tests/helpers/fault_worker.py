@@ -1,6 +1,8 @@
-"""Run by tests/test_faults.py: `scripts/train.py`'s `main`, with a fault injected and every training batch recorded.
+"""Run by tests/test_faults.py: a `scripts/train.py` run (`mm_fusion.training.setup_run` and `train_and_save`), with a
+fault injected and every training batch recorded.
 
-Usage: python tests/fault_worker.py RECORD FAULT [scripts/train.py arguments ...]   (also under torchrun)
+Usage: python -m helpers.fault_worker RECORD FAULT [scripts/train.py arguments ...]   (also under torchrun; see
+helpers.launch)
 
 FAULT is `none` or `ACTION@STEP[:RANK]` (RANK: every rank when left out), ACTION one of
 - `kill`: SIGKILL this process at the end of optimizer step STEP (a preempted machine, the OOM killer);
@@ -13,13 +15,16 @@ wall-clock time (`time.time()`) goes to RECORD.fault just before it strikes.
 """
 
 import json
+import logging
 import os
 import signal
 import sys
 import time
 
-from train_script import load_train_script
+from torch.distributed.elastic.multiprocessing.errors import record
 from transformers import TrainerCallback
+
+from mm_fusion.training import setup_run, train_and_save
 
 
 class InjectFault(TrainerCallback):
@@ -43,34 +48,29 @@ class InjectFault(TrainerCallback):
             raise RuntimeError(f"injected failure at step {self.step} on rank {self.rank}")
 
 
+@record  # as scripts/train.py: under torchrun a failing rank's error is reported with the run's summary
 def main() -> None:
     record_path, fault, argv = sys.argv[1], sys.argv[2], sys.argv[3:]
     stamp = f"{record_path}.fault"
     rank = int(os.environ.get("RANK", "0"))
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         record_path = f"{record_path}.rank{rank}"
-    train = load_train_script()
-    build_trainer = train.build_trainer
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)  # as train.py
+    trainer = setup_run(argv)
+    log = open(record_path, "a")
+    compute_loss = trainer.compute_loss
 
-    def build_trainer_with_fault(args):
-        trainer, run = build_trainer(args)
-        record = open(record_path, "a")
-        compute_loss = trainer.compute_loss
+    def recording_compute_loss(model, inputs, *rest, **kwargs):
+        if model.training:
+            line = {"step": trainer.state.global_step + 1, "ids": list(inputs["sample_ids"])}
+            log.write(json.dumps(line) + "\n")
+            log.flush()  # in the OS's hands before a SIGKILL
+        return compute_loss(model, inputs, *rest, **kwargs)
 
-        def recording_compute_loss(model, inputs, *rest, **kwargs):
-            if model.training:
-                line = {"step": trainer.state.global_step + 1, "ids": list(inputs["sample_ids"])}
-                record.write(json.dumps(line) + "\n")
-                record.flush()  # in the OS's hands before a SIGKILL
-            return compute_loss(model, inputs, *rest, **kwargs)
-
-        trainer.compute_loss = recording_compute_loss
-        if fault != "none":
-            trainer.add_callback(InjectFault(fault, rank, stamp))
-        return trainer, run
-
-    train.build_trainer = build_trainer_with_fault  # `main` looks it up at call time
-    train.main(argv)
+    trainer.compute_loss = recording_compute_loss
+    if fault != "none":
+        trainer.add_callback(InjectFault(fault, rank, stamp))
+    train_and_save(trainer)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""Run by tests/test_distributed_data.py under `torchrun --nproc_per_node 2` (gloo, CPU).
+"""Run by tests/test_distributed_data.py under `torchrun --nproc_per_node 2 -m helpers.distributed_data_worker` (gloo,
+CPU; helpers.launch).
 
 Each rank prepares the same corpus (counting every image decode in a shared file), builds the Trainer's training
 DataLoader and records the sample ids it gets over two epochs; rank 0 writes what all ranks saw to a JSON file.

@@ -1,14 +1,20 @@
-"""The pieces `scripts/train.py` assembles: datasets, labels, tokenizer, model and processor from the arguments."""
+"""
+Step 2 of `scripts/train.py`, the data: the pairs loaded (easy-VQA, Sort-of-CLEVR, files, hub data sets), their
+columns checked and their labels encoded ([`load_training_data`]); after the model is built, preprocessed once into
+the Arrow cache ([`prepare_training_data`]) and batched by the collators ([`build_collators`]).
+"""
 
 import inspect
 import json
 import os
 import re
+from dataclasses import dataclass
+from pathlib import Path
 
 from datasets import ClassLabel, Dataset, DatasetDict, Json, Value
 
-from ..configuration_mm_fusion import MMFusionConfig
-from ..data import load_easy_vqa, load_pairs, load_sort_of_clevr
+from ..data import ImageTextCollator, PreparedData, load_easy_vqa, load_pairs, load_sort_of_clevr, prepare_dataset
+from ..data.sort_of_clevr import vocabulary_texts as sort_of_clevr_texts
 from .arguments import DataArguments, ModelArguments
 
 
@@ -21,6 +27,85 @@ SORT_OF_CLEVR_COLUMNS = {
 }
 SORT_OF_CLEVR_CAPTION_COLUMNS = {"image_column": "image", "text_column": "caption", "id_column": "id"}
 TEXT_TYPES = ("string", "large_string")
+
+
+@dataclass
+class TrainingData:
+    """
+    The pairs of a run, checked, before preprocessing ([`load_training_data`]).
+
+    Attributes:
+        datasets (`DatasetDict`): `train`, and `eval` when there are evaluation pairs.
+        labels (`list[str]`, *optional*): the class names, in class-index order (vqa / classify); `None` for pretrain.
+        group_columns (`list[str]`): columns the evaluation accuracy is also reported per value of.
+    """
+
+    datasets: DatasetDict
+    labels: list[str] | None
+    group_columns: list[str]
+
+
+def load_training_data(model_args: ModelArguments, data_args: DataArguments, training_args) -> TrainingData:
+    """Load the pairs the arguments name, check their columns and evaluation set, and encode their labels."""
+    task = model_args.task
+    data = load_raw_datasets(data_args, seed=training_args.seed, task=task)
+    check_columns(data, data_args, task)
+    check_eval_data(data, data_args, training_args)
+    labels = None
+    if task != "pretrain":
+        data, labels = encode_labels(data, data_args.label_column)
+    group_columns = [c.strip() for c in (data_args.eval_group_columns or "").split(",") if c.strip()]
+    if group_columns and task == "pretrain":
+        raise ValueError("--eval_group_columns reports accuracy per group, for vqa / classify; not for pretrain.")
+    return TrainingData(data, labels, group_columns)
+
+
+def tokenizer_texts(data: TrainingData, data_args: DataArguments) -> list[str]:
+    """The texts a tokenizer trained for this run learns its vocabulary from."""
+    texts = list(data.datasets["train"][data_args.text_column])
+    if data_args.dataset == "sort_of_clevr":
+        # Its vocabulary is fixed by the generator: a tokenizer trained on captions then covers the questions it is
+        # fine-tuned on, and the other way round.
+        texts += sort_of_clevr_texts()
+    return texts
+
+
+def prepare_training_data(
+    data: TrainingData, tokenizer, image_size: int, task: str, data_args: DataArguments, training_args
+) -> PreparedData:
+    """The pairs validated, tokenized and their images resized once into the Arrow cache ([`prepare_dataset`]); bad
+    rows go to `output_dir/quarantine.jsonl`."""
+    return prepare_dataset(
+        data.datasets,
+        tokenizer,
+        image_column=data_args.image_column,
+        text_column=data_args.text_column,
+        id_column=data_args.id_column,
+        label_column=data_args.label_column if task != "pretrain" else None,
+        keep_columns=tuple(data.group_columns),
+        image_size=image_size,
+        data_root=data_args.data_root,
+        max_length=data_args.max_length,
+        on_bad_sample=data_args.on_bad_sample,
+        quarantine_path=Path(training_args.output_dir) / "quarantine.jsonl",
+        num_proc=data_args.preprocessing_num_workers,
+    )
+
+
+def build_collators(
+    prepared: PreparedData, pad_token_id: int | None, task: str, data_args: DataArguments
+) -> tuple[ImageTextCollator, ImageTextCollator]:
+    """The training collator (with the augmentation, when asked for) and the evaluation one (the images as they are);
+    both blank a modality for `--ablation`."""
+    blank = {"none": None, "image_only": "text", "text_only": "image"}[data_args.ablation]
+    kwargs = dict(pad_token_id=pad_token_id or 0, share_images=task != "pretrain", blank=blank)
+    collator = ImageTextCollator(prepared.images, **kwargs)
+    if not data_args.augment:
+        return collator, collator
+    from torchvision.transforms import v2
+
+    flips = v2.Compose([v2.RandomHorizontalFlip(), v2.RandomVerticalFlip()])
+    return ImageTextCollator(prepared.images, image_transform=flips, **kwargs), collator
 
 
 def load_raw_datasets(data_args: DataArguments, seed: int = 42, task: str = "vqa") -> DatasetDict:
@@ -181,52 +266,3 @@ def parse_overrides(overrides: str | None, flag: str = "--config_overrides") -> 
         except json.JSONDecodeError:
             result[key.strip()] = value
     return result
-
-
-def build_config(
-    model_args: ModelArguments, image_size: int, vocab_size: int, max_length: int, labels: list[str] | None
-) -> MMFusionConfig:
-    """An MMFusionConfig for towers built from scratch (small ViT + BERT) from the size arguments."""
-    from transformers import BertConfig, ViTConfig
-
-    h, p = model_args.hidden_size, model_args.dropout
-    tower = dict(
-        hidden_size=h,
-        num_attention_heads=model_args.num_attention_heads,
-        intermediate_size=model_args.mlp_ratio * h,
-        hidden_dropout_prob=p,
-        attention_probs_dropout_prob=0.0,
-    )
-    vision = ViTConfig(
-        image_size=image_size, patch_size=model_args.patch_size, num_hidden_layers=model_args.vision_layers, **tower
-    )
-    text = BertConfig(
-        vocab_size=vocab_size,
-        num_hidden_layers=model_args.text_layers,
-        max_position_embeddings=max(max_length, 8),
-        **tower,
-    )
-    kwargs = dict(
-        vision_config=vision,
-        text_config=text,
-        fusion_type=model_args.fusion_type,
-        fusion_direction=model_args.fusion_direction,
-        num_fusion_layers=model_args.fusion_layers,
-        fusion_intermediate_size=model_args.mlp_ratio * h,
-        joint_pooling=model_args.joint_pooling,
-        fusion_dropout=p,
-        classifier_dropout=p,
-        projection_dim=h,
-        itm_loss_weight=model_args.itm_loss_weight,
-    )
-    if labels is not None:
-        kwargs.update(id2label=dict(enumerate(labels)), label2id={name: i for i, name in enumerate(labels)})
-    kwargs.update(parse_overrides(model_args.config_overrides))
-    return MMFusionConfig(**kwargs)
-
-
-def model_class(task: str):
-    """The head for a task."""
-    from ..modeling_mm_fusion import MMFusionForImageTextClassification, MMFusionForPretraining
-
-    return MMFusionForPretraining if task == "pretrain" else MMFusionForImageTextClassification

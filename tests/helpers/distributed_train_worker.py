@@ -1,6 +1,6 @@
 """Run by tests/test_distributed_training.py under `torchrun --nproc_per_node N`: a tiny `scripts/train.py` run.
 
-Usage: torchrun --nproc_per_node N tests/distributed_train_worker.py OUT_DIR TASK PER_DEVICE_BATCH
+Usage: torchrun --nproc_per_node N -m helpers.distributed_train_worker OUT_DIR TASK PER_DEVICE_BATCH (helpers.launch)
 
 TASK `pretrain-local` is `pretrain` with the cross-rank gather of the contrastive features switched off (each rank's
 loss only sees its own batch): the control that shows the comparison can fail.
@@ -14,7 +14,8 @@ import sys
 from pathlib import Path
 
 import torch
-from train_script import load_train_script
+
+from mm_fusion.training import setup_run, train_and_save
 
 
 def tiny_run_args(output_dir: str, task: str, batch_size: int) -> list[str]:
@@ -60,8 +61,7 @@ def main() -> None:
             self, image, text, False
         )
         task = "pretrain"
-    train = load_train_script()
-    trainer, run = train.build_trainer(tiny_run_args(str(out_dir / "run"), task, batch_size))
+    trainer = setup_run(tiny_run_args(str(out_dir / "run"), task, batch_size))
     initial = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
     seen = []
     compute_metrics = trainer.compute_metrics
@@ -71,7 +71,7 @@ def main() -> None:
         return compute_metrics(prediction)
 
     trainer.compute_metrics = counting_compute_metrics
-    results = train.train_and_save(trainer, run)
+    results = train_and_save(trainer)
     rank = int(os.environ.get("RANK", "0"))
     model = trainer.accelerator.unwrap_model(trainer.model)
     torch.save(

@@ -1,0 +1,136 @@
+"""
+Step 3 of `scripts/train.py`, the model: its tokenizer (given, the text tower's, the checkpoint's, or trained on the
+training texts), the model (from an MMFusion checkpoint, from pretrained towers, or from scratch with a config built
+from the size arguments) and the processor saved with it.
+"""
+
+from pathlib import Path
+
+from transformers import AutoConfig, AutoModel, AutoTokenizer, set_seed
+
+from ..configuration_mm_fusion import MMFusionConfig
+from ..image_processing_mm_fusion import MMFusionImageProcessor
+from ..processing_mm_fusion import MMFusionProcessor
+from ..tokenizer_training import train_tokenizer
+from .arguments import DataArguments, ModelArguments
+from .data import TrainingData, parse_overrides, tokenizer_texts
+
+
+def build_model_and_processor(
+    model_args: ModelArguments, data_args: DataArguments, training_args, data: TrainingData
+) -> tuple:
+    """The run's model and the processor saved with it (which serves exactly the training input: the image processor
+    runs the cache's own image function, and texts are truncated to the training length)."""
+    tokenizer = build_tokenizer(model_args, data_args, training_args, data)
+    set_seed(training_args.seed)  # the initial weights are drawn from the run's seed
+    model = build_model(model_args, tokenizer, data.labels, data_args.image_size or 64, data_args.max_length)
+    if data.labels is not None:  # class ids: scores are read with a softmax, and the pipelines read this
+        model.config.problem_type = "single_label_classification"
+    image_size = model.config.vision_config.image_size
+    processor = MMFusionProcessor(
+        MMFusionImageProcessor(size={"height": image_size, "width": image_size}),
+        tokenizer,
+        max_length=data_args.max_length,
+    )
+    return model, processor
+
+
+def build_tokenizer(model_args: ModelArguments, data_args: DataArguments, training_args, data: TrainingData):
+    """
+    The given tokenizer, the text tower's, the one saved in the checkpoint a run resumes from, or one trained on the
+    training texts by the main process.
+    """
+    resume = training_args.resume_from_checkpoint
+    source = model_args.tokenizer_name_or_path or model_args.text_model_name_or_path or model_args.model_name_or_path
+    if source is None and resume is not None and (Path(resume) / "tokenizer_config.json").is_file():
+        source = resume  # the vocabulary the checkpoint's weights were trained with, whatever the data is now
+    if source:
+        return AutoTokenizer.from_pretrained(source)
+    directory = Path(training_args.output_dir) / "tokenizer"
+    # Trained once, by the main process, and loaded by the others: every rank must have the same vocabulary.
+    with training_args.main_process_first(desc="tokenizer", local=False):
+        if training_args.process_index == 0:
+            tokenizer = train_tokenizer(tokenizer_texts(data, data_args), vocab_size=model_args.vocab_size)
+            tokenizer.save_pretrained(directory)
+        else:
+            tokenizer = AutoTokenizer.from_pretrained(directory)
+    return tokenizer
+
+
+def build_model(model_args: ModelArguments, tokenizer, labels: list[str] | None, image_size: int, max_length: int):
+    """From an MMFusion checkpoint, from pretrained towers, or from scratch."""
+    cls = model_class(model_args.task)
+    if model_args.model_name_or_path:
+        config = AutoConfig.from_pretrained(model_args.model_name_or_path)
+        if labels is not None and "MMFusionForPretraining" in (config.architectures or []):
+            # A pretraining checkpoint has no classifier: its towers, fusion and tokenizer start this run, with a new
+            # head for these labels (its ITC projections and ITM head are left behind).
+            return cls.from_pretrained(
+                model_args.model_name_or_path,
+                num_labels=len(labels),
+                id2label=dict(enumerate(labels)),
+                label2id={name: i for i, name in enumerate(labels)},
+            )
+        model = cls.from_pretrained(model_args.model_name_or_path)
+        if labels is not None and model.config.num_labels != len(labels):
+            raise ValueError(
+                f"{model_args.model_name_or_path} has a head for {model.config.num_labels} labels but the data has "
+                f"{len(labels)}: {labels[:10]}."
+            )
+        return model
+    config = build_config(model_args, image_size, len(tokenizer), max_length, labels)
+    if model_args.vision_model_name_or_path or model_args.text_model_name_or_path:
+        vision = model_args.vision_model_name_or_path or AutoModel.from_config(config.vision_config)
+        text = model_args.text_model_name_or_path or AutoModel.from_config(config.text_config)
+        fusion = {k: v for k, v in config.to_diff_dict().items() if k not in ("vision_config", "text_config")}
+        return cls.from_vision_text_pretrained(vision, text, **fusion)
+    return cls(config)
+
+
+def build_config(
+    model_args: ModelArguments, image_size: int, vocab_size: int, max_length: int, labels: list[str] | None
+) -> MMFusionConfig:
+    """An MMFusionConfig for towers built from scratch (small ViT + BERT) from the size arguments."""
+    from transformers import BertConfig, ViTConfig
+
+    h, p = model_args.hidden_size, model_args.dropout
+    tower = dict(
+        hidden_size=h,
+        num_attention_heads=model_args.num_attention_heads,
+        intermediate_size=model_args.mlp_ratio * h,
+        hidden_dropout_prob=p,
+        attention_probs_dropout_prob=0.0,
+    )
+    vision = ViTConfig(
+        image_size=image_size, patch_size=model_args.patch_size, num_hidden_layers=model_args.vision_layers, **tower
+    )
+    text = BertConfig(
+        vocab_size=vocab_size,
+        num_hidden_layers=model_args.text_layers,
+        max_position_embeddings=max(max_length, 8),
+        **tower,
+    )
+    kwargs = dict(
+        vision_config=vision,
+        text_config=text,
+        fusion_type=model_args.fusion_type,
+        fusion_direction=model_args.fusion_direction,
+        num_fusion_layers=model_args.fusion_layers,
+        fusion_intermediate_size=model_args.mlp_ratio * h,
+        joint_pooling=model_args.joint_pooling,
+        fusion_dropout=p,
+        classifier_dropout=p,
+        projection_dim=h,
+        itm_loss_weight=model_args.itm_loss_weight,
+    )
+    if labels is not None:
+        kwargs.update(id2label=dict(enumerate(labels)), label2id={name: i for i, name in enumerate(labels)})
+    kwargs.update(parse_overrides(model_args.config_overrides))
+    return MMFusionConfig(**kwargs)
+
+
+def model_class(task: str):
+    """The head for a task."""
+    from ..modeling_mm_fusion import MMFusionForImageTextClassification, MMFusionForPretraining
+
+    return MMFusionForPretraining if task == "pretrain" else MMFusionForImageTextClassification

@@ -1,0 +1,121 @@
+"""
+Steps 4 to 7 of `scripts/train.py`: the trainer ([`build_trainer`]), the final evaluation ([`final_metrics`]) and what
+a run saves ([`save_run`]). The script spells every step out; [`setup_run`] (steps 1 to 4, from the script's
+arguments) and [`train_and_save`] (steps 5 to 7) are the same run in two calls, for tests, benchmarks and notebooks.
+"""
+
+import logging
+
+import torch
+from transformers import EarlyStoppingCallback
+
+from .arguments import MAIN_METRICS, DataArguments, MMFusionArgumentParser, MMFusionTrainingArguments, ModelArguments
+from .callbacks import add_monitor
+from .data import TrainingData, build_collators, load_training_data, prepare_training_data
+from .metrics import classification_metrics, retrieval_metrics
+from .model_card import MMFusionModelCard
+from .models import build_model_and_processor
+from .trainer import MMFusionTrainer
+
+
+logger = logging.getLogger("mm_fusion.train")
+
+
+def build_trainer(
+    model,
+    processor,
+    data: TrainingData,
+    model_args: ModelArguments,
+    data_args: DataArguments,
+    training_args: MMFusionTrainingArguments,
+    command: list[str] | None = None,
+) -> MMFusionTrainer:
+    """
+    The pairs preprocessed once into the cache, the collators, the task's metrics, the monitor, early stopping and the
+    model card, in an [`MMFusionTrainer`]. `command`: the script's arguments, for the model card.
+    """
+    task = model_args.task
+    tokenizer = processor.tokenizer
+    image_size = model.config.vision_config.image_size
+    prepared = prepare_training_data(data, tokenizer, image_size, task, data_args, training_args)
+    train_pairs, eval_pairs = prepared.pairs["train"], prepared.pairs.get("eval")
+    train_collator, eval_collator = build_collators(prepared, tokenizer.pad_token_id, task, data_args)
+    if task == "pretrain":
+        compute_metrics, preprocess_logits = retrieval_metrics(), None
+    else:
+        # Evaluation predictions come in the order of the evaluation pairs, so each can be given its group.
+        groups = {c: eval_pairs[c] for c in data.group_columns} if eval_pairs is not None else {}
+        compute_metrics, preprocess_logits = classification_metrics(groups)
+    card = MMFusionModelCard(model_args, data_args, prepared, MAIN_METRICS[task], command)
+    trainer = MMFusionTrainer(
+        model=model,
+        args=training_args,
+        train_dataset=train_pairs,
+        eval_dataset=eval_pairs,
+        data_collator=train_collator,
+        eval_data_collator=eval_collator,
+        processing_class=processor,
+        compute_metrics=compute_metrics if eval_pairs is not None else None,
+        preprocess_logits_for_metrics=preprocess_logits if eval_pairs is not None else None,
+        model_card_writer=card.write,
+    )
+    add_monitor(trainer, data_wait_warning=training_args.data_wait_warning, peak_tflops=training_args.peak_tflops)
+    if training_args.early_stopping_patience is not None:
+        trainer.add_callback(EarlyStoppingCallback(early_stopping_patience=training_args.early_stopping_patience))
+    if trainer.is_world_process_zero():
+        logger.info(
+            "task %s, fusion %s, %.2fM parameters; train %d pairs / %d images, eval %s pairs; %s; %d torch threads",
+            task,
+            model.config.fusion_type,
+            sum(p.numel() for p in model.parameters()) / 1e6,
+            len(train_pairs),
+            len(prepared.images),
+            len(eval_pairs) if eval_pairs is not None else 0,
+            f"ablation {data_args.ablation}" if data_args.ablation != "none" else "no ablation",
+            torch.get_num_threads(),
+        )
+    return trainer
+
+
+def final_metrics(trainer: MMFusionTrainer, train_result) -> dict:
+    """The training metrics (`train_*`) and the evaluation of the final weights (`eval_*`), when there are
+    evaluation pairs."""
+    metrics = {"train_" + k if not k.startswith("train_") else k: v for k, v in train_result.metrics.items()}
+    if trainer.eval_dataset is not None:
+        # The scheduled evaluation at the last step already scored these weights, unless the best checkpoint was
+        # loaded back since: reuse it rather than run the same evaluation twice.
+        last = next((h for h in reversed(trainer.state.log_history) if "eval_loss" in h), None)
+        if last is not None and last["step"] == trainer.state.global_step and not trainer.args.load_best_model_at_end:
+            metrics.update({k: v for k, v in last.items() if k.startswith("eval_") or k == "epoch"})
+        else:
+            metrics.update(trainer.evaluate())
+    return metrics
+
+
+def save_run(trainer: MMFusionTrainer, metrics: dict) -> None:
+    """Model, processor (with their code and pipelines), trainer state, `all_results.json` and the model card into
+    `output_dir`; pushed to the hub with `--push_to_hub`."""
+    trainer.save_model()
+    trainer.save_state()
+    trainer.log_metrics("all", metrics)
+    trainer.save_metrics("all", metrics)
+    trainer.create_model_card()
+    if trainer.args.push_to_hub:
+        trainer.push_to_hub()
+
+
+def setup_run(args: list[str] | None = None) -> MMFusionTrainer:
+    """Steps 1 to 4 of `scripts/train.py` for its arguments (flags and / or a config file; default `sys.argv[1:]`):
+    the trainer, ready to train (from `args.resume_from_checkpoint` when resuming)."""
+    model_args, data_args, training_args = MMFusionArgumentParser().parse_args_and_config(args)
+    data = load_training_data(model_args, data_args, training_args)
+    model, processor = build_model_and_processor(model_args, data_args, training_args, data)
+    return build_trainer(model, processor, data, model_args, data_args, training_args, command=args)
+
+
+def train_and_save(trainer: MMFusionTrainer) -> dict:
+    """Steps 5 to 7 of `scripts/train.py`: train (or resume), evaluate and save; returns the metrics."""
+    train_result = trainer.train(resume_from_checkpoint=trainer.args.resume_from_checkpoint)
+    metrics = final_metrics(trainer, train_result)
+    save_run(trainer, metrics)
+    return metrics
