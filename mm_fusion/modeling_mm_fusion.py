@@ -657,7 +657,7 @@ class MMFusionPreTrainedModel(PreTrainedModel):
 
     def _flop_parameter_counts(self, exclude_embeddings: bool) -> tuple[int, int, int]:
         """Parameters of the vision tower, the text tower and the rest; counted once per model size (Trainer asks
-        for the FLOPs of every step, and counting walks every module: ~2 ms, 2% of a default CPU step)."""
+        for the FLOPs of every step, and counting walks every module)."""
         size = sum(p.numel() for p in self.parameters())  # changes with resize_token_embeddings and the like
         cached = getattr(self, "_flop_counts", {}).get(exclude_embeddings)
         if cached is None or cached[0] != size:

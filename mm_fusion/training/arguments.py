@@ -74,7 +74,7 @@ class ModelArguments:
         default="text_to_image",
         metadata={
             "help": "text_to_image (image keys / values computed once per image and shared by its texts: with "
-            "batches grouped by image, ~2x faster here) or bidirectional (co-attention)."
+            "batches grouped by image, the fusion then costs a fraction) or bidirectional (co-attention)."
         },
     )
     hidden_size: int = field(default=96, metadata={"help": "Width of towers built from scratch and of the fusion."})
@@ -86,7 +86,7 @@ class ModelArguments:
         default="concat_product",
         metadata={
             "help": "What the head reads after cross-attention fusion: concat_product (pooled text, pooled image and "
-            "their product; learned faster on easy-VQA) or concat."
+            "their product, a direct interaction term for the head) or concat."
         },
     )
     mlp_ratio: int = field(
@@ -230,7 +230,7 @@ class MMFusionTrainingArguments(TrainingArguments):
             "help": "pretrain with gradient_accumulation_steps k > 1: a gradient cache makes the contrastive (ITC) "
             "loss of each optimizer step contrast all k x per-device batch x processes pairs, with exactly the "
             "gradients of one big batch and the activation memory of one micro-batch. Costs one extra forward pass "
-            "of the towers without gradient per micro-batch (scripts/benchmark_grad_cache.py). ITM negatives still "
+            "of the towers without gradient per micro-batch (scripts/benchmarks/benchmark_grad_cache.py). ITM negatives still "
             "come from each micro-batch across processes. Off: each micro-batch's ITC sees its own pairs only. With "
             "k = 1 it changes nothing (the features are gathered across processes anyway)."
         },

@@ -121,7 +121,7 @@ class MMFusionTrainer(Trainer):
         dataset = train_dataset if train_dataset is not None else self.train_dataset
         seed = self.args.data_seed or self.args.seed
 
-        def column(name):  # read at once: iterating `dataset[name]` formats row by row (~0.9 s for easy-VQA)
+        def column(name):  # read at once: iterating `dataset[name]` would format it row by row
             return dataset.with_format("numpy", columns=[name])[:][name].tolist()
 
         if getattr(self.args, "group_by_image", False):

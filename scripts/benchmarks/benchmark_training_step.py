@@ -1,102 +1,39 @@
 """
-Benchmark one training step of mm_fusion against the two baselines of DESIGN.md, on easy-VQA (VQA as classification
-over its 13 answers), at 64 px (the images' own size) and upsampled to 224 px, in one run on one machine.
+Benchmark one training step of mm_fusion against the two baselines of DESIGN.md on easy-VQA (VQA as classification
+over its 13 answers), at 64 px and upsampled to 224 px, in one run on one machine.
 
-Contenders. All three train the same towers, a ViT and a BERT built from config with the recipe's width and depth
-(`ModelArguments`: hidden 128, 4 heads, intermediate 512, 2 vision and 2 text layers, patch 8 at both sizes), with 2
-fusion layers, the same tokenizer, the same seed, learning rate, weight decay and dropout (read from the defaults of
-`mm_fusion.training`'s argument dataclasses, never copied here) and 64 samples per optimizer step:
+All three contenders train the same towers (the recipe's ViT and BERT, 2 fusion layers), with the same tokenizer,
+seed, optimizer settings (read from `mm_fusion.training`'s argument defaults) and 64 samples per optimizer step:
+`seed` (the source articles' loop: PIL + torchvision transforms, `nn.MultiheadAttention` fusion, fp32, manual
+accumulation), `run_clip` (transformers' contrastive example's `datasets` pipeline and the stock `Trainer`, training
+our model) and `mm_fusion` (`mm_fusion.training.setup_run` with its defaults). Each trial runs in a fresh process;
+contenders are interleaved and rotated per round; step time is split into data wait / forward / backward / optimizer
+/ other. Targets: mm_fusion >= 2x seed and >= 1.3x run_clip samples/s, data wait < 5% of step time. Method, targets
+and results: scripts/benchmarks/README.md.
 
-- `seed`: the loop of the project's source articles. Data: `benchmark_data.seed_loader` (a `Dataset` whose
-  `__getitem__` opens the image with PIL, `Resize`, `ToTensor`, `Normalize(ImageNet)`, tokens padded to
-  `max_length=512`), `DataLoader(batch_size=32, num_workers=<cores>, pin_memory=True)`. Model: the two towers (BERT
-  with 512 positions), 2 fusion layers of `nn.MultiheadAttention(hidden, heads, batch_first=True)` called as
-  `attn(q, k, v)` like the articles do (text self-attention with the padding mask, text-to-image cross-attention,
-  FFN, each with residual + LayerNorm after), [CLS] pooling of both towers, and the recipe's head on the same
-  joint vector as ours (text, image, their product; Linear, GELU, LayerNorm, dropout, Linear).
-  fp32 (also on a GPU), gradient accumulation of 2 micro-batches of 32 by hand, `torch.optim.AdamW` (constant
-  learning rate, no gradient clipping).
-- `run_clip`: transformers' contrastive-image-text example. Data: `benchmark_data.run_clip_loader`'s `datasets`
-  pipeline (`filter` of unreadable images, tokenisation by `map` padded to `max_length` (here the recipe's 64, not
-  the example's 128), images decoded and transformed to normalised floats per batch by `set_transform`), random
-  batches of 64. The stock `transformers.Trainer` with its own defaults (e.g. `dataloader_num_workers=0`,
-  `pin_memory=True`) except for the recipe (learning rate, weight decay, warm-up, schedule) and
-  `remove_unused_columns=False` (as run_clip's README sets it), training OUR model
-  `MMFusionForImageTextClassification` from the same config as `mm_fusion`'s. What differs from `mm_fusion` is the
-  data path, the batching and the Trainer.
-- `mm_fusion`: `scripts/train.py`'s `build_trainer` with its defaults (uint8 Arrow cache, collator padding to the
-  longest text, batches grouped by image, `MMFusionTrainer`), given only `--image_size`, `--max_steps`, the shared
-  tokenizer, `--max_eval_samples` and `--eval_strategy no --save_strategy no --report_to none --disable_tqdm True`.
+    python scripts/benchmarks/benchmark_training_step.py   # the full run: 18 trials, at most ~30 min on 2 cores
+    python scripts/benchmarks/benchmark_training_step.py --rounds 1 --sizes 64 --steps 10 --loss_samples 640  # ~4 min
 
-Parameter counts are printed before the first trial and must agree within 10% at each size (at 64 px with the
-recipe's 8,000-token vocabulary bound: seed 2,752,909 against 2,763,917, 0.4%: `seed` has BERT position rows up
-to 512 but no bridge projections). Patch 8 is kept at 224 px (785 image tokens): the
-slowest contender, `seed`, then takes about 20 s per optimizer step (1 torch thread, 2 cores), slow but feasible, so
-the defaults time fewer steps there instead; `--patch_size 16` would switch every contender.
-
-Method. Each trial (contender, size, round) runs in a fresh Python process (clean peak memory; the process's default
-torch threads; a datasets cache shared by the trials of one run, so preprocessing is not timed). The contenders are
-interleaved (A B C, B C A, C A B, ...) in every round, and every round covers every size. A trial skips `warmup`
-optimizer steps and times the next `steps`; its throughput is 64 samples / the median step time of that window. Each
-step is split into data wait / forward / backward / optimizer / other: for the Trainers by a `TrainerCallback`
-(`on_step_begin`, `on_pre_optimizer_step`, `on_step_end`) and forward pre-hook / hook on the model (forward includes
-the loss, which the model computes; backward runs from the end of the forward to `on_pre_optimizer_step`, so it
-includes gradient clipping; optimizer is the step, scheduler and `zero_grad`; other is the input preparation before
-the forward; data wait runs from the previous `on_step_end` to `on_step_begin`, as in `MMFusionMonitorCallback`),
-and by direct timing in the `seed` loop. Peak memory is the trial process's peak RSS at the end of the timed window
-(DataLoader workers not included) or, on a GPU, `torch.cuda.max_memory_allocated`. In the first round only, each
-trial trains on until `loss_samples` training samples and then reports the mean cross-entropy (and accuracy) on the
-first `eval_questions` easy-VQA test questions, read through the contender's own data path. Speed-ups are ratios of
-median throughputs (with the min-max of the per-round ratios), against the targets mm_fusion >= 2x seed and
->= 1.3x run_clip, and mm_fusion's data wait against < 5% of step time. On a GPU every contender but `seed` (fp32 by
-definition) trains with bf16, and mm_fusion's MFU comes from Trainer's FLOP count (untested here: no GPU).
-
-    python scripts/benchmark_training_step.py           # the full run: 18 trials, at most ~30 min on 2 cores
-    python scripts/benchmark_training_step.py --rounds 1 --sizes 64 --steps 10 --loss_samples 640   # ~4 min look
-
-The estimate printed first comes from step times measured with 1 torch thread on the shared development machine
-(`STEP_S`), so it is an upper bound; after each trial the time left is re-estimated from the trials so far.
-
-Writes scripts/results/benchmark_training_step.{json,md,png} and prints the Markdown table.
+Writes scripts/benchmarks/results/benchmark_training_step.{json,md,png} and prints the Markdown table.
 """
 
-import importlib.util
-import json
 import math
 import os
-import platform
-import resource
 import shutil
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field, fields
-from pathlib import Path
 from types import SimpleNamespace
 
+import benchmark_data  # the baselines' data loaders
 import numpy as np
 import torch
 import torch.nn.functional as F
+from benchmarking import RESULTS, machine, median_range, peak_memory_mib, run_in_new_interpreter, spread, write_report
 from torch import nn
 from transformers import HfArgumentParser, TrainerCallback
 
-
-SCRIPTS = Path(__file__).resolve().parent
-
-
-def _load_script(name: str):
-    """A module of `scripts/NAME.py` (the scripts are not a package)."""
-    spec = importlib.util.spec_from_file_location(f"mm_fusion_{name}_script", SCRIPTS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-# The baselines' data loaders and the table helpers of the data benchmark.
-benchmark_data = _load_script("benchmark_data")
-_summary, _fmt = benchmark_data._summary, benchmark_data._fmt
 
 CONTENDERS = ("seed", "run_clip", "mm_fusion")
 PARTS = ("data_wait", "forward", "backward", "optimizer", "other")  # the split of a step's wall time
@@ -138,7 +75,7 @@ class BenchmarkArguments:
         default=None, metadata={"help": "Patch size of every contender's ViT (default: the recipe's)."}
     )
     output: str = field(
-        default=str(SCRIPTS / "results" / "benchmark_training_step"),
+        default=str(RESULTS / "benchmark_training_step"),
         metadata={"help": "Writes OUTPUT.json, OUTPUT.md and OUTPUT.png."},
     )
 
@@ -268,12 +205,6 @@ def parameter_counts(size: int, vocab_size: int, labels: list[str], rec: dict, p
 # Timing.
 
 
-def _peak_memory_mib() -> float:
-    if torch.cuda.is_available():
-        return torch.cuda.max_memory_allocated() / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
-
-
 class StepTimer:
     """
     Splits the wall time of each optimizer step into `PARTS`: every interval between two `mark`s goes to the part
@@ -306,7 +237,7 @@ class StepTimer:
         if len(self.steps) in (self.warmup, self.window_end) and self.flops is not None:
             self.window_flops[len(self.steps)] = self.flops()
         if len(self.steps) == self.window_end:
-            self.peak_memory_mib = _peak_memory_mib()
+            self.peak_memory_mib = peak_memory_mib()
 
     def summary(self) -> dict:
         window = self.steps[self.warmup : self.window_end]
@@ -490,7 +421,8 @@ def train_run_clip(size, rec, tokenizer, labels, total_steps, timer, evaluate, e
 
 
 def train_mm_fusion(size, rec, tokenizer_dir, total_steps, timer, evaluate, eval_questions, patch_size, out) -> dict:
-    build_trainer = _load_script("train").build_trainer
+    from mm_fusion.training import setup_run
+
     argv = ["--output_dir", out, "--image_size", str(size), "--max_steps", str(total_steps)]
     argv += ["--tokenizer_name_or_path", tokenizer_dir, "--max_eval_samples", str(eval_questions)]
     argv += ["--eval_strategy", "no", "--save_strategy", "no", "--report_to", "none", "--disable_tqdm", "True"]
@@ -498,7 +430,7 @@ def train_mm_fusion(size, rec, tokenizer_dir, total_steps, timer, evaluate, eval
         argv += ["--patch_size", str(patch_size)]
     if torch.cuda.is_available():
         argv += ["--bf16", "True"]
-    trainer, _ = build_trainer(argv)
+    trainer = setup_run(argv)
     timer.flops = lambda: trainer.state.total_flos + trainer.current_flos  # Trainer's FLOP count, for the MFU
     trainer.add_callback(StepTimerCallback(timer, trainer.model))
     trainer.train()
@@ -574,39 +506,6 @@ def run_trial(payload: dict) -> dict:
 # The run: trials in subprocesses, then tables, JSON and chart.
 
 
-def _subprocess(payload: dict, cache_dir: str) -> dict:
-    """Run one trial in a new Python process (the parent's environment, thread settings included)."""
-    result_file = os.path.join(payload["out"], "trial.json")
-    env = {**os.environ, "HF_DATASETS_CACHE": cache_dir, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-    command = [sys.executable, os.path.abspath(__file__), "--_worker", json.dumps(payload), result_file]
-    run = subprocess.run(command, env=env, capture_output=True, text=True)
-    if run.returncode != 0:
-        raise RuntimeError(f"{payload['contender']} at {payload['size']} px failed:\n{run.stderr[-4000:]}")
-    with open(result_file) as f:
-        return json.load(f)
-
-
-def machine() -> dict:
-    import transformers
-
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    except OSError:
-        pass
-    return {
-        "cores": os.cpu_count(),
-        "cpu": cpu,
-        "torch_threads": torch.get_num_threads(),
-        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
-        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "python": platform.python_version(),
-    }
-
-
 def expected_s(contender: str, size: int, trained_steps: int, eval_questions: int, batch_size: int) -> float:
     """Rough duration of one trial, from `STEP_S` and `STARTUP_S` (other sizes scaled by their pixels)."""
     nearest = min(STEP_S[contender], key=lambda s: abs(s - size))
@@ -640,11 +539,11 @@ def summarise(trials: list[dict], args: BenchmarkArguments) -> tuple[list[dict],
                     "image_size": size,
                     "contender": contender,
                     "parameters": mine[0]["parameters"],
-                    "samples_per_s": _summary([t["samples_per_s"] for t in mine]),
-                    "median_step_ms": _summary([1000 * t["median_step_s"] for t in mine]),
+                    "samples_per_s": spread([t["samples_per_s"] for t in mine]),
+                    "median_step_ms": spread([1000 * t["median_step_s"] for t in mine]),
                     "split": {p: statistics.median(t["split"][p] for t in mine) for p in PARTS},
-                    "data_wait": _summary([t["split"]["data_wait"] for t in mine]),
-                    "peak_memory_mib": _summary([t["peak_memory_mib"] for t in mine]),
+                    "data_wait": spread([t["split"]["data_wait"] for t in mine]),
+                    "peak_memory_mib": spread([t["peak_memory_mib"] for t in mine]),
                     "eval_loss": loss_trial["eval_loss"] if loss_trial else None,
                     "eval_accuracy": loss_trial["eval_accuracy"] if loss_trial else None,
                     "loss_samples": loss_trial["loss_samples"] if loss_trial else None,
@@ -655,7 +554,7 @@ def summarise(trials: list[dict], args: BenchmarkArguments) -> tuple[list[dict],
             wait = [
                 t["split"]["data_wait"] for t in trials if t["image_size"] == size and t["contender"] == "mm_fusion"
             ]
-            entry = {"image_size": size, "mm_fusion_data_wait": _summary(wait)}
+            entry = {"image_size": size, "mm_fusion_data_wait": spread(wait)}
             entry["data_wait_pass"] = statistics.median(wait) < DATA_WAIT_TARGET
             for other, target in TARGETS.items():
                 ratio = _ratios(trials, size, args.rounds, other) if other in args.contenders else None
@@ -672,14 +571,14 @@ def parameter_check(trials: list[dict]) -> list[dict]:
     for size in dict.fromkeys(t["image_size"] for t in trials):
         mine = [t for t in trials if t["image_size"] == size]
         counts = {t["contender"]: t["parameters"] for t in mine}
-        spread = max(counts.values()) / min(counts.values()) - 1
+        difference = max(counts.values()) / min(counts.values()) - 1
         same_towers = all(t["towers"] == mine[0]["towers"] for t in mine)
         checks.append(
             {
                 "image_size": size,
                 "parameters": counts,
-                "spread": spread,
-                "within_10_percent": spread <= 0.1,
+                "spread": difference,
+                "within_10_percent": difference <= 0.1,
                 "same_towers": same_towers,
                 "towers": mine[0]["towers"],
             }
@@ -719,9 +618,9 @@ def markdown(rows, speedups, checks, args, info, rec, settings) -> str:
         accuracy = f"{r['eval_accuracy']:.3f}" if r["eval_accuracy"] is not None else "–"
         mfu = (f" {r['mfu']:.1%} |" if r["mfu"] is not None else " – |") if info["gpu"] else ""
         lines.append(
-            f"| {r['image_size']} | {r['contender']} | {r['parameters'] / 1e6:.3f}M | {_fmt(r['samples_per_s'])} "
-            f"| {_fmt(r['median_step_ms'])} | {split} | {_fmt(r['peak_memory_mib'])} | {loss_cell} | {accuracy} |"
-            + mfu
+            f"| {r['image_size']} | {r['contender']} | {r['parameters'] / 1e6:.3f}M "
+            f"| {median_range(r['samples_per_s'])} | {median_range(r['median_step_ms'])} | {split} "
+            f"| {median_range(r['peak_memory_mib'])} | {loss_cell} | {accuracy} |" + mfu
         )
     lines += [
         "",
@@ -836,9 +735,9 @@ def main(argv: list[str] | None = None) -> dict:
     for size in args.sizes:  # before any trial: the models must be of one size
         counts = parameter_counts(size, len(tokenizer), labels, rec, args.patch_size)
         print(f"{size} px parameters: " + ", ".join(f"{c} {counts[c]:,}" for c in args.contenders), flush=True)
-        spread = max(counts.values()) / min(counts.values()) - 1
-        if spread > 0.1:
-            raise ValueError(f"The contenders' parameter counts differ by {spread:.1%} at {size} px (limit 10%).")
+        difference = max(counts.values()) / min(counts.values()) - 1
+        if difference > 0.1:
+            raise ValueError(f"The contenders' parameter counts differ by {difference:.1%} at {size} px (limit 10%).")
     # Round-major, so that every round covers every size; within a round the contenders' order rotates.
     plan = []
     for r in range(args.rounds):
@@ -871,7 +770,7 @@ def main(argv: list[str] | None = None) -> dict:
                 "labels": labels,
                 "out": tempfile.mkdtemp(dir=work),
             }
-            t = _subprocess(payload, cache)
+            t = run_in_new_interpreter("benchmark_training_step:run_trial", payload, datasets_cache=cache)
             trials.append(t)
             expected_done += expected
             elapsed = time.perf_counter() - start
@@ -895,18 +794,10 @@ def main(argv: list[str] | None = None) -> dict:
     report = {"arguments": asdict(args), "recipe": rec, "settings": settings, "machine": info}
     report |= {"rows": rows, "speedups": speedups, "parameter_check": checks, "trials": trials}
     report["wall_s"] = time.perf_counter() - start
-    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
-    with open(args.output + ".json", "w") as f:
-        json.dump(report, f, indent=2)
-    with open(args.output + ".md", "w") as f:
-        f.write(table + "\n")
+    write_report(args.output, report, table)
     plot(rows, args, args.output + ".png")
     return report
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 4 and sys.argv[1] == "--_worker":
-        with open(sys.argv[3], "w") as f:
-            json.dump(run_trial(json.loads(sys.argv[2])), f)
-    else:
-        main()
+    main()
