@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from PIL import Image
 from helpers.remote_code import BLOCK_MM_FUSION
+from PIL import Image
 from safetensors.torch import load_file
 from transformers import AutoModelForPreTraining, AutoModelForVisualQuestionAnswering, AutoProcessor, pipeline
 

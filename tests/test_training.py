@@ -398,7 +398,14 @@ def test_flops_count_images_and_texts(tester):
     assert model.floating_point_ops(inputs, exclude_embeddings=False) == with_embeddings + grown
 
 
-@pytest.mark.parametrize("script", sorted(p.name for p in (ROOT / "scripts").glob("*.py")))
+SCRIPTS = sorted(
+    str(p.relative_to(ROOT / "scripts"))
+    for p in [*(ROOT / "scripts").glob("*.py"), *(ROOT / "scripts" / "benchmarks").glob("*.py")]
+    if p.name != "benchmarking.py"  # the benchmarks' shared module, no command of its own
+)
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
 def test_every_script_help_runs(script):
     """The README lists `python scripts/train.py --help`; a bare `%` in one help string used to crash it."""
     import subprocess

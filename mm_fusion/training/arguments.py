@@ -230,9 +230,9 @@ class MMFusionTrainingArguments(TrainingArguments):
             "help": "pretrain with gradient_accumulation_steps k > 1: a gradient cache makes the contrastive (ITC) "
             "loss of each optimizer step contrast all k x per-device batch x processes pairs, with exactly the "
             "gradients of one big batch and the activation memory of one micro-batch. Costs one extra forward pass "
-            "of the towers without gradient per micro-batch (scripts/benchmarks/benchmark_grad_cache.py). ITM negatives still "
-            "come from each micro-batch across processes. Off: each micro-batch's ITC sees its own pairs only. With "
-            "k = 1 it changes nothing (the features are gathered across processes anyway)."
+            "of the towers without gradient per micro-batch (scripts/benchmarks/benchmark_grad_cache.py). ITM "
+            "negatives still come from each micro-batch across processes. Off: each micro-batch's ITC sees its own "
+            "pairs only. With k = 1 it changes nothing (the features are gathered across processes anyway)."
         },
     )
     cpu_threads: int | None = field(

@@ -94,7 +94,8 @@ def final_metrics(trainer: MMFusionTrainer, train_result) -> dict:
 
 def save_run(trainer: MMFusionTrainer, metrics: dict) -> None:
     """Model, processor (with their code and pipelines), trainer state, `all_results.json` and the model card into
-    `output_dir`; pushed to the hub with `--push_to_hub`."""
+    `output_dir`; pushed to the hub with `--push_to_hub`. Ends the run: the process group of a multi-process run is
+    released."""
     trainer.save_model()
     trainer.save_state()
     trainer.log_metrics("all", metrics)
@@ -102,6 +103,10 @@ def save_run(trainer: MMFusionTrainer, metrics: dict) -> None:
     trainer.create_model_card()
     if trainer.args.push_to_hub:
         trainer.push_to_hub()
+    # The run is over on every rank: release the process group. Left to the interpreter's exit, gloo's threads can
+    # abort a rank (SIGABRT, "terminate called without an active exception") after a successful run.
+    trainer.accelerator.wait_for_everyone()
+    trainer.accelerator.end_training()
 
 
 def setup_run(args: list[str] | None = None) -> MMFusionTrainer:

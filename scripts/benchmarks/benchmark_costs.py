@@ -1,114 +1,50 @@
 """
-How the training cost of mm_fusion grows with the work, in three tables, each from one run on one machine.
+How the training cost of mm_fusion grows with the work, in three tables, each from one run on one machine:
 
-1. Training samples/s of the default model (the one `scripts/train.py` builds with no arguments) as the work grows:
-   image size 64 / 128 / 224 px at 16 text tokens (patch size fixed at the default 8, so 64 -> 256 -> 784 patches,
-   + 1 class token), and text length 16 / 64 / 256 tokens at 64 px. The model is
-   `MMFusionForImageTextClassification(build_config(ModelArguments(), image_size, vocab_size, max_length, labels))`
-   with the 13 easy-VQA answers and the vocabulary size of the tokenizer `scripts/train.py` trains on the easy-VQA
-   training questions (`train_tokenizer(questions, vocab_size=ModelArguments().vocab_size)`: 74 tokens, far below the
-   8000 upper bound), and `max_length` = max(`DataArguments().max_length`, text length) (the BERT position table must
-   hold the longest texts; it is not compute). One optimizer step is what `Trainer` does at its core: forward with
-   labels, backward, `torch.optim.AdamW` step (the recipe's learning rate and weight decay, read from
-   `MMFusionTrainingArguments`' defaults), `zero_grad(set_to_none=True)`; no gradient clipping, scheduler or data
-   loading. The batch is synthetic with the shape statistics of training: 64 texts per step sharing 7 images through
-   `image_index` (easy-VQA batches grouped by image carry ~7 images per 64 questions), uint8 pixel values
-   (normalised by the model), texts of exactly L random token ids with an all-ones attention mask, random answers;
-   one batch is made before the steps and reused (the cost does not depend on the values). Each setting trains in a
-   fresh process with the process's default torch threads: `warmup` untimed steps, then `steps` timed ones; samples/s
-   = 64 / the median step time; the step is split into forward / backward / optimizer; peak memory is the process's
-   peak RSS at the end (`ru_maxrss`, see "Processes" for what it counts; on a GPU `torch.cuda.max_memory_allocated`).
-   The default numbers of timed steps are 10, fewer for slow settings (by the built-in estimate, at least 5).
-   easy-VQA questions are 7-12 tokens (a median of 9) and batches are padded to their longest text, so 64 px at 16
-   tokens is close to real training.
-2. Preprocessing images/s of `prepare_dataset` on all of easy-VQA (`mm_fusion.data.load_easy_vqa()`: 5,000
-   distinct images, 48,248 questions) at 64 px with `num_proc` 1 and 2, called as `scripts/train.py` calls it (same
-   columns, `max_length`, `on_bad_sample`), each trial in a fresh process with an EMPTY datasets cache
-   (`HF_DATASETS_CACHE` set to a new temporary directory): images/s = distinct images / the wall time of the
-   `prepare_dataset` call, which covers the validation and decode + resize of every image, the tokenisation of every
-   question and writing both to the Arrow cache (loading easy-VQA, timed apart, is not included).
-3. Fusion attention: SDPA against `nn.MultiheadAttention`. One text stream block of the default fusion layer (text
-   self-attention, text-to-image cross-attention and the MLP, the recipe's width and heads, pre-LayerNorm, as
-   `MMFusionStreamBlock`) taken from the default model built as in table 1 (`attn_implementation` "sdpa", what the
-   model picks by default, or "eager" through `_from_config(config, attn_implementation="eager")`), against the same
-   block built the seed way: `nn.MultiheadAttention(width, heads, batch_first=True)` for both attentions, called as
-   `attn(q, k, v)` (so with the default `need_weights=True`), each sub-layer with a residual and a LayerNorm after
-   (`benchmark_training_step.SeedFusionLayer`). The parameter counts are printed and must agree within 1%. Input: 64
-   texts of T tokens (64 / 128 / 512) attending to 65 image tokens (the default 64 px image: 64 patches + class token),
-   one image row per text (the optional contender `sdpa_shared` passes 7 images and `image_index` as training does), an
-   all-ones text mask passed to the self-attention (the model always passes the attention mask), inputs that require
-   grad, training mode (the recipe's dropout). A timed iteration is forward, `out.pow(2).mean()`, backward and
-   `zero_grad`; `warmup` untimed iterations, then the median of `iterations` timed ones (by default 10, fewer at T =
-   512, at least 5, the same for every block). Memory: each setting runs in a fresh process; on CPU the peak RSS growth
-   is the process's high-water mark (`VmHWM`, reset through `/proc/self/clear_refs` just before the block; without that
-   reset the lifetime peak `ru_maxrss`, which the JSON notes) minus its RSS (`VmRSS`) measured just before the first
-   iteration, once the block and its inputs exist; on a GPU it is `torch.cuda.max_memory_allocated` (peak stats reset
-   there) minus `memory_allocated` at that point. The table gives the growth by the end of the first (warm-up)
-   iteration, the working memory of one forward + backward, and by the end of all iterations, which adds what the
-   allocator kept and fragmented between them.
+1. training samples/s, step split and peak memory of the default model (`scripts/train.py` with no arguments) on
+   synthetic batches, as the image size (64 / 128 / 224 px) and the text length (16 / 64 / 256 tokens) grow;
+2. preprocessing images/s of `prepare_dataset` on all of easy-VQA with `num_proc` 1 and 2, from an empty datasets
+   cache;
+3. one fusion block with SDPA attention against the same block built on `nn.MultiheadAttention`: time and peak
+   memory growth of forward + backward at 64 / 128 / 512 text tokens.
 
-Rounds. Each table's settings (or contenders) run `--rounds` times; the trials go round by round (every round covers
-every table and setting) and their order rotates from round to round; the tables give medians with min-max over the
-rounds.
+Every trial runs in a fresh process (training and attention trials forked from a server that did the imports once,
+preprocessing trials in new interpreters), `--rounds` interleaved rounds, medians with min-max. Method and results:
+scripts/benchmarks/README.md.
 
-Processes. Every trial is a fresh process, with the default torch threads of the environment it is started in.
-Importing torch, transformers and mm_fusion takes ~6-8 s per new interpreter on the 2-core development machine
-while it is busy, which would be most of the run, so the training and attention trials are children forked from a
-server process that has done those imports once and nothing else (no torch operation, no thread pool, no GPU):
-each child has its own memory, peak RSS, allocator and thread pool. A forked child's RSS counts the shared
-libraries' file pages only where the child touches them, so its peak RSS is ~350 MiB below that of a new
-interpreter doing the same; `--fresh_interpreter True` starts every trial as a new interpreter instead. The
-preprocessing trials always start a new interpreter (`HF_DATASETS_CACHE` must be set before `datasets` is imported).
+    python scripts/benchmarks/benchmark_costs.py   # the full run: 48 trials, about 8 minutes on 2 cores
+    python scripts/benchmarks/benchmark_costs.py --rounds 1 --image_sizes 64 --text_lengths 16 --steps 3 \
+        --num_proc 1 --attention_lengths 64 --iterations 3   # a quick look, under a minute
 
-    python scripts/benchmark_costs.py   # the full run: 48 trials, about 8 minutes on 2 cores (estimate printed)
-    python scripts/benchmark_costs.py --rounds 1 --image_sizes 64 --text_lengths 16 --steps 3 --num_proc 1 \
-        --attention_lengths 64 --iterations 3   # a quick look, under a minute
-
-The estimate printed first comes from times measured with 1 torch thread on the development machine while it was
-busy with other work (`*_S` below), so it is an upper bound there; after each trial the time left is re-estimated
-from the trials so far.
-
-Writes scripts/results/benchmark_costs.{json,md} and prints the Markdown tables.
+Writes scripts/benchmarks/results/benchmark_costs.{json,md} and prints the Markdown tables.
 """
 
 import gc
-import importlib.util
-import json
 import os
 import resource
 import shutil
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import benchmark_training_step  # the recipe, the default model's config, the seed-style fusion layer
 import torch
+from benchmark_training_step import build_fusion_config, recipe
+from benchmarking import (
+    RESULTS,
+    PeakMemory,
+    TrialRunner,
+    machine,
+    median_range,
+    peak_memory_mib,
+    run_in_new_interpreter,
+    spread,
+    write_report,
+)
 from transformers import HfArgumentParser
 
-
-SCRIPTS = Path(__file__).resolve().parent
-
-
-def _load_script(name: str):
-    """A module of `scripts/NAME.py` (the scripts are not a package)."""
-    spec = importlib.util.spec_from_file_location(f"mm_fusion_{name}_script", SCRIPTS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-# The sibling benchmark: the recipe, the default model's config, the seed-style fusion layer, the machine line, the
-# peak memory; and through it the data benchmark's table helpers.
-benchmark_training_step = _load_script("benchmark_training_step")
-_summary, _fmt = benchmark_training_step._summary, benchmark_training_step._fmt
-recipe, build_fusion_config, machine = (
-    benchmark_training_step.recipe,
-    benchmark_training_step.build_fusion_config,
-    benchmark_training_step.machine,
-)
 
 TABLES = ("training", "preprocessing", "attention")
 ATTENTION_CONTENDERS = ("sdpa", "eager", "multihead_attention", "sdpa_shared")
@@ -181,7 +117,7 @@ class BenchmarkArguments:
         },
     )
     output: str = field(
-        default=str(SCRIPTS / "results" / "benchmark_costs"), metadata={"help": "Writes OUTPUT.json and OUTPUT.md."}
+        default=str(RESULTS / "benchmark_costs"), metadata={"help": "Writes OUTPUT.json and OUTPUT.md."}
     )
 
 
@@ -255,7 +191,7 @@ def run_training_trial(payload: dict) -> dict:
         _sync()
         end = time.perf_counter()
         steps.append({"forward": forward - start, "backward": backward - forward, "optimizer": end - backward})
-    peak = benchmark_training_step._peak_memory_mib()
+    peak = peak_memory_mib()
     timed = steps[payload["warmup"] :]
     totals = [sum(s.values()) for s in timed]
     median_step = statistics.median(totals)
@@ -360,58 +296,6 @@ def block_parameters(config) -> dict[str, int]:
     return {"mm_fusion": sum(p.numel() for p in ours.parameters()), "seed": sum(p.numel() for p in seed.parameters())}
 
 
-def _proc_status_kib(key: str) -> int | None:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(key + ":"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return None
-
-
-def _reset_peak_rss() -> bool:
-    """Reset this process's RSS high-water mark (Linux: `echo 5 > /proc/self/clear_refs`); False if not possible."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
-class PeakMemory:
-    """Growth of peak memory over the memory in use when entered: RSS on CPU, allocated memory on a GPU."""
-
-    def __enter__(self):
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            self.baseline, self.method = torch.cuda.memory_allocated(), "torch.cuda.max_memory_allocated"
-        else:
-            rss = _proc_status_kib("VmRSS")
-            reset = _reset_peak_rss()
-            self.method = "VmHWM (reset) - VmRSS" if reset and rss is not None else "ru_maxrss - VmRSS (no reset)"
-            self.baseline = (rss or 0) * 1024
-        return self
-
-    def growth_mib(self) -> float:
-        """Peak memory so far over the baseline, in MiB."""
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-            peak = torch.cuda.max_memory_allocated()
-        elif self.method.startswith("VmHWM"):
-            peak = _proc_status_kib("VmHWM") * 1024
-        else:
-            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        return (peak - self.baseline) / 2**20
-
-    def __exit__(self, *exc):
-        self.baseline_mib = self.baseline / 2**20
-
-
 def run_attention_trial(payload: dict) -> dict:
     """One (contender, text length) of table 3 in this process: forward + backward of one fusion block."""
     torch.manual_seed(payload["seed"])
@@ -481,126 +365,17 @@ def run_attention_trial(payload: dict) -> dict:
 # The run.
 
 
-WORKERS = {"training": run_training_trial, "preprocessing": run_preprocessing_trial, "attention": run_attention_trial}
-
-
-def _env(cache_dir: str) -> dict:
-    return {**os.environ, "HF_DATASETS_CACHE": cache_dir, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-
-
-def _subprocess(payload: dict, cache_dir: str, result_file: str) -> dict:
-    """Run one trial in a new Python interpreter (the parent's environment, thread settings included)."""
-    command = [sys.executable, os.path.abspath(__file__), "--_worker", json.dumps(payload), result_file]
-    run = subprocess.run(command, env=_env(cache_dir), capture_output=True, text=True)
-    if run.returncode != 0:
-        raise RuntimeError(f"{payload['table']} trial {payload} failed:\n{run.stderr[-4000:]}")
-    with open(result_file) as f:
-        return json.load(f)
-
-
-def _serve() -> None:
-    """
-    The fork server (`--_server`): import what the trials need once, then for each line `[payload, result_file]` on
-    stdin run the trial in a child forked for it (a fresh process: its own memory, peak RSS and torch thread pool,
-    which nothing here has started) and answer `{"exit_code": N}` on stdout. Nothing here runs a torch operation or
-    touches a GPU, so the children start clean.
-    """
-    from transformers import set_seed  # noqa: F401
-
-    import mm_fusion  # noqa: F401  (the imports, ~5 s of each new interpreter's start on the development machine)
-    import mm_fusion.training  # noqa: F401
-
-    protocol = os.fdopen(os.dup(1), "w")
-    os.dup2(2, 1)  # whatever the server or its children print goes to the log, not into the answers
-    protocol.write(json.dumps({"ready": True}) + "\n")
-    protocol.flush()
-    for line in sys.stdin:
-        payload, result_file = json.loads(line)
-        pid = os.fork()
-        if pid == 0:
-            code = 1
-            try:
-                with open(result_file, "w") as f:
-                    json.dump(WORKERS[payload["table"]](payload), f)
-                code = 0
-            except BaseException:
-                import traceback
-
-                traceback.print_exc()
-            finally:
-                sys.stdout.flush()
-                sys.stderr.flush()
-                os._exit(code)
-        _, status = os.waitpid(pid, 0)
-        protocol.write(json.dumps({"exit_code": os.waitstatus_to_exitcode(status)}) + "\n")
-        protocol.flush()
-
-
-class TrialRunner:
-    """
-    Runs each trial in a fresh process: a child forked from the fork server (`_serve`), or with `fresh_interpreter`
-    (or without `os.fork`) a new Python interpreter. Preprocessing trials always get a new interpreter, whose
-    `HF_DATASETS_CACHE` must be set before `datasets` is imported.
-    """
-
-    def __init__(self, work: str, shared_cache: str, fresh_interpreter: bool):
-        self.work, self.shared_cache, self.server = work, shared_cache, None
-        self.fork = not fresh_interpreter and hasattr(os, "fork")
-        self.log_path = os.path.join(work, "server.log")
-
-    def _answer(self, what: str) -> dict:
-        answer = self.server.stdout.readline()
-        if not answer:
-            self.log.flush()
-            with open(self.log_path) as f:
-                raise RuntimeError(f"The fork server ended during {what}:\n{f.read()[-4000:]}")
-        return json.loads(answer)
-
-    def _start(self) -> None:
-        """Start the server on first use, and wait until it is ready (its imports must not overlap a trial)."""
-        self.log = open(self.log_path, "w")
-        command = [sys.executable, os.path.abspath(__file__), "--_server"]
-        self.server = subprocess.Popen(
-            command,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self.log,
-            env=_env(self.shared_cache),
-            text=True,
-        )
-        self._answer("its start")
-
-    def run(self, payload: dict) -> dict:
-        result_file = os.path.join(tempfile.mkdtemp(dir=self.work), "trial.json")
-        if payload["table"] == "preprocessing":  # a new interpreter with an empty datasets cache
-            cache = tempfile.mkdtemp(dir=self.work)
-            try:
-                return _subprocess(payload, cache, result_file)
-            finally:
-                shutil.rmtree(cache, ignore_errors=True)
-        if not self.fork:
-            return _subprocess(payload, self.shared_cache, result_file)
-        if self.server is None:
-            self._start()
-        self.server.stdin.write(json.dumps([payload, result_file]) + "\n")
-        self.server.stdin.flush()
-        exit_code = self._answer(f"a {payload['table']} trial")["exit_code"]
-        if exit_code != 0:
-            self.log.flush()
-            with open(self.log_path) as f:
-                log = f.read()[-4000:]
-            raise RuntimeError(f"{payload['table']} trial {payload} failed (exit code {exit_code}):\n{log}")
-        with open(result_file) as f:
-            return json.load(f)
-
-    def close(self) -> None:
-        if self.server is not None:
-            self.server.stdin.close()
-            try:
-                self.server.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.server.kill()
-            self.log.close()
+def run_trial(runner: TrialRunner, payload: dict, work: str) -> dict:
+    """One trial in a fresh process: forked by `runner`, or for preprocessing in a new interpreter whose datasets
+    cache starts empty (`HF_DATASETS_CACHE` must be set before `datasets` is imported)."""
+    target = f"benchmark_costs:run_{payload['table']}_trial"
+    if payload["table"] != "preprocessing":
+        return runner.run(target, payload)
+    cache = tempfile.mkdtemp(dir=work)
+    try:
+        return run_in_new_interpreter(target, payload, datasets_cache=cache)
+    finally:
+        shutil.rmtree(cache, ignore_errors=True)
 
 
 def expected_step_s(size: int, length: int, texts: int, images: int, patch_size: int) -> float:
@@ -727,11 +502,11 @@ def summarise(trials: list[dict], args: BenchmarkArguments) -> dict:
                     "image_tokens_per_step": args.images_per_step * mine[0]["image_tokens"],
                     "parameters": mine[0]["parameters"],
                     "timed_steps": mine[0]["timed_steps"],
-                    "samples_per_s": _summary([t["samples_per_s"] for t in mine]),
-                    "step_ms": _summary([1000 * t["median_step_s"] for t in mine]),
+                    "samples_per_s": spread([t["samples_per_s"] for t in mine]),
+                    "step_ms": spread([1000 * t["median_step_s"] for t in mine]),
                     "relative_step_time": step / base_step,
                     "split": {p: statistics.median(t["split"][p] for t in mine) for p in STEP_PARTS},
-                    "peak_memory_mib": _summary([t["peak_memory_mib"] for t in mine]),
+                    "peak_memory_mib": spread([t["peak_memory_mib"] for t in mine]),
                 }
             )
         tables["training"] = rows
@@ -746,11 +521,11 @@ def summarise(trials: list[dict], args: BenchmarkArguments) -> dict:
                     "num_proc": num_proc,
                     "images": mine[0]["images"],
                     "pairs": mine[0]["pairs"],
-                    "images_per_s": _summary([t["images_per_s"] for t in mine]),
-                    "pairs_per_s": _summary([t["pairs_per_s"] for t in mine]),
-                    "prepare_s": _summary([t["prepare_s"] for t in mine]),
-                    "load_s": _summary([t["load_s"] for t in mine]),
-                    "peak_memory_mib": _summary([t["peak_memory_mib"] for t in mine]),
+                    "images_per_s": spread([t["images_per_s"] for t in mine]),
+                    "pairs_per_s": spread([t["pairs_per_s"] for t in mine]),
+                    "prepare_s": spread([t["prepare_s"] for t in mine]),
+                    "load_s": spread([t["load_s"] for t in mine]),
+                    "peak_memory_mib": spread([t["peak_memory_mib"] for t in mine]),
                     "cache_was_empty": all(t["cache_was_empty"] for t in mine),
                 }
             )
@@ -770,11 +545,11 @@ def summarise(trials: list[dict], args: BenchmarkArguments) -> dict:
                         "parameters": mine[0]["parameters"],
                         "images": mine[0]["images"],
                         "timed_iterations": mine[0]["timed_iterations"],
-                        "forward_backward_ms": _summary([1000 * t["median_s"] for t in mine]),
-                        "forward_ms": _summary([1000 * t["forward_s"] for t in mine]),
-                        "backward_ms": _summary([1000 * t["backward_s"] for t in mine]),
-                        "memory_growth_mib": _summary([t["memory_growth_mib"] for t in mine]),
-                        "first_iteration_memory_growth_mib": _summary(
+                        "forward_backward_ms": spread([1000 * t["median_s"] for t in mine]),
+                        "forward_ms": spread([1000 * t["forward_s"] for t in mine]),
+                        "backward_ms": spread([1000 * t["backward_s"] for t in mine]),
+                        "memory_growth_mib": spread([t["memory_growth_mib"] for t in mine]),
+                        "first_iteration_memory_growth_mib": spread(
                             [t["first_iteration_memory_growth_mib"] for t in mine]
                         ),
                         "time_vs_sdpa": median / statistics.median(reference) if reference else None,
@@ -842,8 +617,9 @@ def markdown(tables: dict, args: BenchmarkArguments, info: dict, rec: dict, voca
             split = " / ".join(f"{r['split'][p]:.0%}" for p in STEP_PARTS)
             lines.append(
                 f"| {r['image_size']} | {r['patches']} | {r['text_length']} | {r['text_tokens_per_step']:,} + "
-                f"{r['image_tokens_per_step']:,} | {r['timed_steps']} | {_fmt(r['samples_per_s'])} "
-                f"| {_fmt(r['step_ms'])} | {r['relative_step_time']:.2f}x | {split} | {_fmt(r['peak_memory_mib'])} |"
+                f"{r['image_tokens_per_step']:,} | {r['timed_steps']} | {median_range(r['samples_per_s'])} "
+                f"| {median_range(r['step_ms'])} | {r['relative_step_time']:.2f}x | {split} "
+                f"| {median_range(r['peak_memory_mib'])} |"
             )
     if "preprocessing" in tables:
         rows = tables["preprocessing"]
@@ -860,8 +636,9 @@ def markdown(tables: dict, args: BenchmarkArguments, info: dict, rec: dict, voca
         ]
         for r in rows:
             lines.append(
-                f"| {r['num_proc']} | {_fmt(r['images_per_s'])} | {_fmt(r['pairs_per_s'])} "
-                f"| {_fmt(r['prepare_s'], 2)} | {_fmt(r['load_s'], 2)} | {_fmt(r['peak_memory_mib'])} |"
+                f"| {r['num_proc']} | {median_range(r['images_per_s'])} | {median_range(r['pairs_per_s'])} "
+                f"| {median_range(r['prepare_s'], 2)} | {median_range(r['load_s'], 2)} "
+                f"| {median_range(r['peak_memory_mib'])} |"
             )
     if "attention" in tables:
         memory = (
@@ -888,9 +665,9 @@ def markdown(tables: dict, args: BenchmarkArguments, info: dict, rec: dict, voca
             ratio = f"{r['time_vs_sdpa']:.2f}x" if r["time_vs_sdpa"] is not None else "–"
             lines.append(
                 f"| {r['text_length']} | {CONTENDER_NAMES[r['contender']]} | {r['timed_iterations']} "
-                f"| {_fmt(r['forward_backward_ms'], 1)} "
-                f"| {_fmt(r['forward_ms'], 1)} | {_fmt(r['backward_ms'], 1)} | {ratio} "
-                f"| {_fmt(r['first_iteration_memory_growth_mib'])} | {_fmt(r['memory_growth_mib'])} |"
+                f"| {median_range(r['forward_backward_ms'], 1)} "
+                f"| {median_range(r['forward_ms'], 1)} | {median_range(r['backward_ms'], 1)} | {ratio} "
+                f"| {median_range(r['first_iteration_memory_growth_mib'])} | {median_range(r['memory_growth_mib'])} |"
             )
     return "\n".join(lines)
 
@@ -941,12 +718,14 @@ def main(argv: list[str] | None = None) -> dict:
         flush=True,
     )
     trials, start, expected_done = [], time.perf_counter(), 0.0
-    runner = TrialRunner(work, shared_cache, args.fresh_interpreter)
+    # The fork server does the imports of a new interpreter once (~6-8 s each on a busy 2-core machine).
+    preload = ["transformers", "mm_fusion", "mm_fusion.training", "benchmark_costs"]
+    runner = TrialRunner(work, shared_cache, preload, args.fresh_interpreter)
     try:
         for i, payload in enumerate(plan):
             table = payload["table"]
             begun = time.perf_counter()
-            t = {"table": table, **runner.run(payload)}
+            t = {"table": table, **run_trial(runner, payload, work)}
             t["trial_wall_s"] = time.perf_counter() - begun
             trials.append(t)
             expected_done += expected[i]
@@ -982,20 +761,9 @@ def main(argv: list[str] | None = None) -> dict:
     report = {"arguments": asdict(args), "recipe": rec, "machine": info, "vocab_size": vocab_size}
     report |= {"block_parameters": blocks, "tables": tables, "trials": trials}
     report |= {"estimated_s": sum(expected), "wall_s": time.perf_counter() - start}
-    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
-    with open(args.output + ".json", "w") as f:
-        json.dump(report, f, indent=2)
-    with open(args.output + ".md", "w") as f:
-        f.write(text + "\n")
+    write_report(args.output, report, text)
     return report
 
 
 if __name__ == "__main__":
-    if sys.argv[1:] == ["--_server"]:
-        _serve()
-    elif len(sys.argv) == 4 and sys.argv[1] == "--_worker":
-        payload = json.loads(sys.argv[2])
-        with open(sys.argv[3], "w") as f:
-            json.dump(WORKERS[payload["table"]](payload), f)
-    else:
-        main()
+    main()

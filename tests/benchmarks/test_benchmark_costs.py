@@ -1,6 +1,5 @@
-"""scripts/benchmark_costs.py: its settings, the two fusion blocks, tiny in-process trials and the report."""
+"""scripts/benchmarks/benchmark_costs.py: its settings, the two fusion blocks, tiny trials and the report."""
 
-import importlib.util
 import math
 import subprocess
 import sys
@@ -11,16 +10,15 @@ import pytest
 from mm_fusion.training import ModelArguments
 
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "benchmark_costs.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "benchmarks" / "benchmark_costs.py"
 LABELS = [str(i) for i in range(13)]
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("benchmark_costs", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    import benchmark_costs  # scripts/benchmarks is on sys.path (conftest.py)
+
+    return benchmark_costs
 
 
 def test_help_runs():
@@ -167,4 +165,4 @@ def test_report(bench):
     assert f"hierarchical fusion (text_to_image), {width}, {layers}" in text
     for header in ("**1. Training cost", "**2. Preprocessing", "**3. One fusion block"):
         assert header in text
-    assert "| 64 | 64 | 64 | 4,096 + 455 | 10 | 160 (160–160) |" in text
+    assert "| 64 | 64 | 64 | 4,096 + 455 | 10 | 160 |" in text

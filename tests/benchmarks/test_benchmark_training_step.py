@@ -1,7 +1,6 @@
-"""scripts/benchmark_training_step.py: its timer, the seed-style baseline model, the size check and the report."""
+"""scripts/benchmarks/benchmark_training_step.py: its timer, the seed-style model, the size check, the report."""
 
 import dataclasses
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -12,15 +11,14 @@ from torch import nn
 from transformers import BertConfig, Trainer, TrainingArguments, ViTConfig
 
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "benchmark_training_step.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "benchmarks" / "benchmark_training_step.py"
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("benchmark_training_step", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    import benchmark_training_step  # scripts/benchmarks is on sys.path (conftest.py)
+
+    return benchmark_training_step
 
 
 def test_help_runs():

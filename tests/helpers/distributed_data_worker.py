@@ -79,6 +79,8 @@ def main(data_dir: str, output: str) -> None:
     if dist.get_rank() == 0:
         with open(output, "w") as f:
             json.dump(everyone, f)
+    dist.barrier()
+    dist.destroy_process_group()  # left to the interpreter's exit, gloo can abort a rank with SIGABRT
 
 
 if __name__ == "__main__":
