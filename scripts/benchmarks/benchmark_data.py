@@ -1,39 +1,19 @@
 """
-Benchmark the data pipeline against the two baselines of DESIGN.md, on easy-VQA, in one run on one machine.
+Benchmark the data pipeline on easy-VQA: mm_fusion's `prepare_dataset` + `ImageTextCollator` (also grouped by length,
+and without workers) against the two baselines of DESIGN.md (`seed`, `run_clip`), at each image size. Each trial runs
+in a new Python with an empty datasets cache; contenders are interleaved and repeated, and the table gives medians
+(min–max) of steady-state samples/s, the cold first epoch, padding and peak memory; a second table times the start-up
+of `prepare_dataset` on all of easy-VQA, cold then warm. Method: scripts/benchmarks/README.md.
 
-Contenders (same questions, same images, same tokenizer, batch 32, `num_workers` = cores):
+    python scripts/benchmarks/benchmark_data.py     # the full benchmark (about 9 minutes on 2 cores)
+    python scripts/benchmarks/benchmark_data.py --num_samples 512 --repeats 1 --epochs 2 --startup_repeats 1  # a look
 
-- `seed`: the source articles' loader: a `torch.utils.data.Dataset` whose `__getitem__` opens the image with PIL,
-  applies `Resize((S, S))`, `ToTensor`, `Normalize(ImageNet)`, and tokenizes with `padding="max_length",
-  truncation=True, max_length=512`; `pin_memory=True`.
-- `run_clip`: transformers' contrastive-image-text example: a `datasets` pipeline that drops unreadable images with
-  `filter`, tokenizes by `map` to `max_length=128`, and decodes + transforms images per batch with `set_transform`
-  (`read_image`, `Resize([S], bicubic)`, `CenterCrop`, `ConvertImageDtype`, `Normalize`, TorchScript-compiled);
-  `pin_memory=True` as `Trainer` sets it by default.
-- `mm_fusion`: `prepare_dataset` (validated, uint8 images stored once, unpadded ids, Arrow cache) + the
-  `ImageTextCollator`, with `persistent_workers=True` and `pin_memory` only when there is a GPU. Its batches hold
-  uint8 images, which the model normalises on its device; that step is timed separately, on this CPU, and reported
-  in its own column.
-- `mm_fusion_grouped`: the same with transformers' `LengthGroupedSampler` over the `length` column (what `Trainer`
-  uses for `train_sampling_strategy="group_by_length"`).
-- `mm_fusion_no_workers`: `mm_fusion` with `num_workers=0`: collation reads the memory-mapped cache in the main
-  process, with no inter-process copy.
-
-Each trial runs in a new process with an empty datasets cache: start-up (building the pipeline, including any
-preprocessing), then `epochs` epochs. Steady state is the median over epochs 2+; the cold first epoch is start-up +
-epoch 1. Contenders are interleaved (A B C D E, B C D E A, ...) and repeated; the table gives medians with min-max.
-A separate start-up test times `prepare_dataset` on all of easy-VQA in a fresh process with an empty cache, then
-again in a new process with the cache of the first.
-
-    python scripts/benchmark_data.py                       # the full benchmark (about 9 minutes on 2 cores)
-    python scripts/benchmark_data.py --num_samples 512 --repeats 1 --epochs 2   # a quick look
+Writes scripts/benchmarks/results/benchmark_data.{json,md} and prints the Markdown table.
 """
 
 import json
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -41,6 +21,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 import psutil
+from benchmarking import RESULTS, machine, markdown_table, median_range, run_in_new_interpreter, spread, write_report
 from transformers import HfArgumentParser
 
 
@@ -58,7 +39,7 @@ class BenchmarkArguments:
     startup_repeats: int = field(default=3, metadata={"help": "Cold/warm start-up pairs per image size."})
     batch_size: int = field(default=32, metadata={"help": "Batch size of every DataLoader."})
     num_workers: int = field(default=os.cpu_count() or 1, metadata={"help": "DataLoader workers (default: cores)."})
-    output: str = field(default="scripts/results/benchmark_data", metadata={"help": "Writes OUTPUT.json, OUTPUT.md."})
+    output: str = field(default=str(RESULTS / "benchmark_data"), metadata={"help": "Writes OUTPUT.json, OUTPUT.md."})
     seed: int = field(default=0, metadata={"help": "Seed of the question sample and of the loaders' shuffling."})
 
 
@@ -212,20 +193,13 @@ def run_clip_loader(dataset, tokenizer, size, args):
     return loader, None
 
 
-def prepare_easy_vqa(data, tokenizer, size, args):
-    """mm_fusion's preprocessing of easy-VQA rows (a Dataset or the DatasetDict)."""
+def prepare_easy_vqa(data, tokenizer, size: int, **options):
+    """mm_fusion's preprocessing of easy-VQA rows (a Dataset or the DatasetDict): `prepare_dataset` with easy-VQA's
+    columns; `options` go to it."""
     from mm_fusion.data import prepare_dataset
 
-    return prepare_dataset(
-        data,
-        tokenizer,
-        image_column="image",
-        text_column="question",
-        id_column="id",
-        label_column="answer",
-        image_size=size,
-        num_proc=args.num_workers,
-    )
+    columns = {"image_column": "image", "text_column": "question", "id_column": "id", "label_column": "answer"}
+    return prepare_dataset(data, tokenizer, **columns, image_size=size, **options)
 
 
 def mm_fusion_loader(dataset, tokenizer, size, args, grouped=False, num_workers=0):
@@ -235,7 +209,7 @@ def mm_fusion_loader(dataset, tokenizer, size, args, grouped=False, num_workers=
     from mm_fusion.data import ImageTextCollator
     from mm_fusion.modeling_mm_fusion import normalize_uint8_pixels
 
-    prepared = prepare_easy_vqa(dataset, tokenizer, size, args)
+    prepared = prepare_easy_vqa(dataset, tokenizer, size, num_proc=args.num_workers)
     generator = torch.Generator().manual_seed(args.seed)
     sampler = (
         LengthGroupedSampler(args.batch_size, lengths=list(prepared.pairs["length"]), generator=generator)
@@ -262,16 +236,21 @@ def mm_fusion_loader(dataset, tokenizer, size, args, grouped=False, num_workers=
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def run_trial(pipeline: str, size: int, tokenizer_dir: str, indices_file: str, args: BenchmarkArguments) -> dict:
-    """One trial, in this (fresh) process: start-up, then `epochs` epochs through the DataLoader."""
+def run_trial(payload: dict) -> dict:
+    """
+    One trial, in this fresh process (with an empty datasets cache): start-up, then `epochs` epochs through the
+    DataLoader. `payload`: pipeline, size, tokenizer (a directory), indices (a JSON file), args (`BenchmarkArguments`).
+    """
     import torch
     from transformers import AutoTokenizer
 
     from mm_fusion.data import load_easy_vqa
 
+    pipeline, size, args = payload["pipeline"], payload["size"], BenchmarkArguments(**payload["args"])
     torch.manual_seed(args.seed)
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    indices = json.load(open(indices_file))
+    tokenizer = AutoTokenizer.from_pretrained(payload["tokenizer"])
+    with open(payload["indices"]) as f:
+        indices = json.load(f)
     with PeakRSS() as rss:
         start = time.perf_counter()
         if pipeline == "seed":
@@ -325,39 +304,24 @@ def run_trial(pipeline: str, size: int, tokenizer_dir: str, indices_file: str, a
     }
 
 
-def run_startup(size: int, tokenizer_dir: str, args: BenchmarkArguments) -> dict:
-    """Time `prepare_dataset` on all of easy-VQA (train + test) in this process (cold or warm, by the cache)."""
+def run_startup(payload: dict) -> dict:
+    """
+    Time `prepare_dataset` on all of easy-VQA (train + test) in this fresh process: cold or warm, by its datasets
+    cache. `payload`: size, tokenizer (a directory), args (`BenchmarkArguments`).
+    """
     from transformers import AutoTokenizer
 
     from mm_fusion.data import load_easy_vqa
 
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    tokenizer = AutoTokenizer.from_pretrained(payload["tokenizer"])
     start = time.perf_counter()
     data = load_easy_vqa()
-    prepared = prepare_easy_vqa(data, tokenizer, size, args)
+    prepared = prepare_easy_vqa(data, tokenizer, payload["size"], num_proc=payload["args"]["num_workers"])
     return {
         "startup_s": time.perf_counter() - start,
         "pairs": sum(len(s) for s in prepared.pairs.values()),
         "images": len(prepared.images),
     }
-
-
-def _subprocess(mode: str, payload: dict, cache_dir: str) -> dict:
-    """Run one measurement in a new Python process with its own datasets cache; returns its JSON result."""
-    env = {**os.environ, "HF_DATASETS_CACHE": cache_dir, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-    command = [sys.executable, os.path.abspath(__file__), "--_worker", mode, json.dumps(payload)]
-    run = subprocess.run(command, env=env, capture_output=True, text=True)
-    if run.returncode != 0:
-        raise RuntimeError(f"{mode} trial failed:\n{run.stderr[-4000:]}")
-    return json.loads(run.stdout.strip().splitlines()[-1])
-
-
-def _summary(values: list[float]) -> dict:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
-
-
-def _fmt(stat: dict, digits: int = 0) -> str:
-    return f"{stat['median']:.{digits}f} ({stat['min']:.{digits}f}–{stat['max']:.{digits}f})"
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -366,7 +330,6 @@ def main(argv: list[str] | None = None) -> dict:
     if unknown:
         raise ValueError(f"Unknown pipelines {sorted(unknown)}; choose from {list(PIPELINES)}.")
     import easy_vqa
-    import torch
 
     from mm_fusion import train_tokenizer
 
@@ -376,7 +339,8 @@ def main(argv: list[str] | None = None) -> dict:
     train_tokenizer(questions).save_pretrained(tokenizer_dir)
     indices = np.random.default_rng(args.seed).choice(len(questions), args.num_samples, replace=False).tolist()
     indices_file = os.path.join(work, "indices.json")
-    json.dump(indices, open(indices_file, "w"))
+    with open(indices_file, "w") as f:
+        json.dump(indices, f)
 
     trials, startups = [], []
     for size in args.image_sizes:
@@ -384,7 +348,9 @@ def main(argv: list[str] | None = None) -> dict:
             order = args.pipelines[repeat % len(args.pipelines) :] + args.pipelines[: repeat % len(args.pipelines)]
             for pipeline in order:
                 payload = {"pipeline": pipeline, "size": size, "tokenizer": tokenizer_dir, "indices": indices_file}
-                result = _subprocess("trial", {**payload, "args": asdict(args)}, tempfile.mkdtemp(dir=work))
+                payload["args"] = asdict(args)
+                cache = tempfile.mkdtemp(dir=work)  # empty: the trial's start-up includes any preprocessing
+                result = run_in_new_interpreter("benchmark_data:run_trial", payload, datasets_cache=cache)
                 trials.append(result)
                 steady, cold = result["steady_samples_per_s"], result["cold_first_epoch_s"]
                 print(
@@ -395,7 +361,8 @@ def main(argv: list[str] | None = None) -> dict:
         for _ in range(args.startup_repeats):
             cache = tempfile.mkdtemp(dir=work)
             payload = {"size": size, "tokenizer": tokenizer_dir, "args": asdict(args)}
-            cold, warm = _subprocess("startup", payload, cache), _subprocess("startup", payload, cache)
+            cold = run_in_new_interpreter("benchmark_data:run_startup", payload, datasets_cache=cache)
+            warm = run_in_new_interpreter("benchmark_data:run_startup", payload, datasets_cache=cache)  # cache of cold
             startups.append({"image_size": size, "cold_s": cold["startup_s"], "warm_s": warm["startup_s"], **cold})
             print(f"{size}px start-up: cold {cold['startup_s']:.2f} s, warm {warm['startup_s']:.2f} s", flush=True)
 
@@ -410,14 +377,14 @@ def main(argv: list[str] | None = None) -> dict:
                 {
                     "image_size": size,
                     "pipeline": pipeline,
-                    "steady_samples_per_s": _summary(speed),
+                    "steady_samples_per_s": spread(speed),
                     "vs_seed": statistics.median(speed) / statistics.median(seed) if seed else None,
                     "vs_run_clip": statistics.median(speed) / statistics.median(clip) if clip else None,
-                    "cold_first_epoch_s": _summary([t["cold_first_epoch_s"] for t in mine]),
-                    "startup_s": _summary([t["startup_s"] for t in mine]),
+                    "cold_first_epoch_s": spread([t["cold_first_epoch_s"] for t in mine]),
+                    "startup_s": spread([t["startup_s"] for t in mine]),
                     "padded_token_fraction": statistics.median(t["padded_token_fraction"] for t in mine),
                     "normalise_ms_per_batch": statistics.median(t["normalise_ms_per_batch"] for t in mine),
-                    "peak_rss_mib": _summary([t["peak_rss_mib"] for t in mine]),
+                    "peak_rss_mib": spread([t["peak_rss_mib"] for t in mine]),
                 }
             )
     startup_rows = []
@@ -427,67 +394,59 @@ def main(argv: list[str] | None = None) -> dict:
             startup_rows.append(
                 {
                     "image_size": size,
-                    "cold_s": _summary([s["cold_s"] for s in runs]),
-                    "warm_s": _summary([s["warm_s"] for s in runs]),
+                    "cold_s": spread([s["cold_s"] for s in runs]),
+                    "warm_s": spread([s["warm_s"] for s in runs]),
                     "speedup": statistics.median(s["cold_s"] / s["warm_s"] for s in runs),
                     "pairs": runs[0]["pairs"],
                     "images": runs[0]["images"],
                 }
             )
 
-    machine = f"{os.cpu_count()} cores, {psutil.virtual_memory().total / 2**30:.0f} GiB, torch {torch.__version__}"
-    table = [
-        f"easy-VQA, {args.num_samples} questions, batch {args.batch_size}, {args.num_workers} workers, "
-        f"{args.epochs} epochs x {args.repeats} interleaved trials; {machine}. Medians (min–max).",
-        "",
-        "| size | pipeline | steady samples/s | vs seed | vs run_clip | cold first epoch (s) | padded tokens "
-        "| peak memory (MiB) | model-side normalisation on CPU (ms/batch) |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        ratio = {k: f"{r[k]:.1f}x" if r[k] is not None else "–" for k in ("vs_seed", "vs_run_clip")}
-        table.append(
-            f"| {r['image_size']} | {r['pipeline']} | {_fmt(r['steady_samples_per_s'])} | {ratio['vs_seed']} "
-            f"| {ratio['vs_run_clip']} | {_fmt(r['cold_first_epoch_s'], 1)} | {r['padded_token_fraction']:.1%} "
-            f"| {_fmt(r['peak_rss_mib'])} | {r['normalise_ms_per_batch']:.1f} |"
-        )
-    if startup_rows:
-        table += [
-            "",
-            "Start-up of `prepare_dataset` on all of easy-VQA (load + validate + preprocess; new process each time):",
-            "",
-            "| size | pairs | distinct images | first start-up (s) | second start-up (s) | speed-up |",
-            "|---|---|---|---|---|---|",
-        ]
-        for r in startup_rows:
-            table.append(
-                f"| {r['image_size']} | {r['pairs']} | {r['images']} | {_fmt(r['cold_s'], 2)} "
-                f"| {_fmt(r['warm_s'], 2)} | {r['speedup']:.0f}x |"
-            )
-    markdown = "\n".join(table)
-    print("\n" + markdown)
-    report = {"arguments": asdict(args), "machine": machine, "rows": rows, "startup": startup_rows}
+    info = machine() | {"memory_gib": round(psutil.virtual_memory().total / 2**30)}
+    report = {"arguments": asdict(args), "machine": info, "rows": rows, "startup": startup_rows}
     report |= {"trials": trials, "startup_trials": startups}
-    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
-    with open(args.output + ".json", "w") as f:
-        json.dump(report, f, indent=2)
-    with open(args.output + ".md", "w") as f:
-        f.write(markdown + "\n")
+    table = markdown(report)
+    print("\n" + table)
+    write_report(args.output, report, table)
     return report
 
 
-def _worker(mode: str, payload: str) -> None:
-    payload = json.loads(payload)
-    args = BenchmarkArguments(**payload["args"])
-    if mode == "trial":
-        result = run_trial(payload["pipeline"], payload["size"], payload["tokenizer"], payload["indices"], args)
-    else:
-        result = run_startup(payload["size"], payload["tokenizer"], args)
-    print(json.dumps(result))
+def markdown(report: dict) -> str:
+    """The tables of a report (`machine` as `benchmarking.machine()` gives it, or the text reports before it had)."""
+    args, info = report["arguments"], report["machine"]
+    if not isinstance(info, str):
+        info = f"{info['cores']} cores, {info['memory_gib']} GiB, torch {info['torch']}"
+    header = ["size", "pipeline", "steady samples/s", "vs seed", "vs run_clip", "cold first epoch (s)"]
+    header += ["padded tokens", "peak memory (MiB)", "model-side normalisation on CPU (ms/batch)"]
+    cells = []
+    for r in report["rows"]:
+        ratio = {k: f"{r[k]:.1f}x" if r[k] is not None else "–" for k in ("vs_seed", "vs_run_clip")}
+        cells.append(
+            [r["image_size"], r["pipeline"], median_range(r["steady_samples_per_s"]), ratio["vs_seed"]]
+            + [ratio["vs_run_clip"], median_range(r["cold_first_epoch_s"], 1), f"{r['padded_token_fraction']:.1%}"]
+            + [median_range(r["peak_rss_mib"]), f"{r['normalise_ms_per_batch']:.1f}"]
+        )
+    lines = [
+        f"easy-VQA, {args['num_samples']} questions, batch {args['batch_size']}, {args['num_workers']} workers, "
+        f"{args['epochs']} epochs x {args['repeats']} interleaved trials; {info}. Medians (min–max).",
+        "",
+        markdown_table(header, cells),
+    ]
+    if report["startup"]:
+        header = ["size", "pairs", "distinct images", "first start-up (s)", "second start-up (s)", "speed-up"]
+        cells = [
+            [r["image_size"], r["pairs"], r["images"], median_range(r["cold_s"], 2), median_range(r["warm_s"], 2)]
+            + [f"{r['speedup']:.0f}x"]
+            for r in report["startup"]
+        ]
+        lines += [
+            "",
+            "Start-up of `prepare_dataset` on all of easy-VQA (load + validate + preprocess; new process each time):",
+            "",
+            markdown_table(header, cells),
+        ]
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 4 and sys.argv[1] == "--_worker":
-        _worker(sys.argv[2], sys.argv[3])
-    else:
-        main()
+    main()

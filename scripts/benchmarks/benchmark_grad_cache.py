@@ -1,45 +1,32 @@
 """
 Activation memory and time of one pretraining optimizer step with the ITC gradient cache (`itc_grad_cache`), against
-one big batch and plain gradient accumulation.
+one big batch and plain gradient accumulation: the recipe's `MMFusionForPretraining` on synthetic batches (16 pairs a
+step), with and without ITM; peak saved activations (through `saved_tensors_hooks`), peak RSS growth of the first step
+and median step time, each setting in a fresh process, rounds rotated. Method: scripts/benchmarks/README.md.
 
-Model: `MMFusionForPretraining` of the default recipe (`build_config(ModelArguments(task="pretrain"), 64, ...)`:
-hidden 96, 64 px images in 8 px patches, a 4-layer ViT, a 2-layer BERT, 2 fusion layers, no dropout), ITC + ITM
-(`itm_loss_weight` 1, the recipe's) and ITC only. Synthetic batches: random uint8 images, texts of 16 random tokens.
-Settings, each the gradients of one optimizer step (forward + backward, no optimizer update) over the same 16 pairs
-(plain B=4: the first 4):
+    python scripts/benchmarks/benchmark_grad_cache.py --threads 1   # 1 thread: steadier times on a shared machine
+    python scripts/benchmarks/benchmark_grad_cache.py --rounds 1 --repeats 1 --output /tmp/grad_cache   # a look
 
-- `plain B=16`: one forward / backward over the 16 pairs (ITC sees 16 pairs);
-- `grad_cache 4x4`: `mm_fusion.training.grad_cache.train_window` over 4 micro-batches of 4 (ITC sees 16; the same
-  gradients as `plain B=16` for ITC);
-- `accumulate 4x4`: Trainer's accumulation without the cache, loss / 4 per micro-batch (ITC sees 4 at a time);
-- `plain B=4`: one micro-batch.
-
-Peak saved activations: the bytes of the tensors autograd saves for backward that are alive at once (counted
-through `torch.autograd.graph.saved_tensors_hooks`, one count per storage, parameters excluded), peak over the step:
-the activation memory that grows with the batch. Peak RSS growth: the process's RSS high-water mark over the step
-(reset through /proc/self/clear_refs just before; Linux) minus the RSS just before, in a fresh process per setting,
-first step; it adds gradient buffers and transient work memory. Step time: median of `--repeats` steps after one
-warm-up; `--rounds` rounds go over every setting in turn (order rotated), and the table gives the median over rounds
-(memory figures are the same in every round). `--threads`: torch threads (default: torch's own); on a machine shared
-with other work, 1 thread gives steadier times.
-
-    python scripts/benchmark_grad_cache.py --threads 1  # writes scripts/results/grad_cache.json, prints the table
+Writes scripts/benchmarks/results/grad_cache.json and prints the Markdown table.
 """
 
 import argparse
-import json
-import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
-from pathlib import Path
 
 import torch
+from benchmarking import (
+    RESULTS,
+    machine,
+    markdown_table,
+    proc_status_kib,
+    reset_peak_rss,
+    run_in_new_interpreter,
+    write_report,
+)
 
 
-SCRIPTS = Path(__file__).resolve().parent
 MODES = ("plain", "grad_cache", "accumulate")
 
 
@@ -83,23 +70,6 @@ class _Saved:
 
     def __del__(self):
         self.meter._release(self.key)
-
-
-def _proc_status_kib(field: str) -> int | None:
-    try:
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
-    except (OSError, StopIteration):
-        return None
-
-
-def _reset_peak_rss() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
 
 
 def recipe_config(itm_loss_weight: float | None = None):
@@ -156,8 +126,8 @@ def measure(
     full = synthetic_batch(config, max(16, batch_size * accumulation), text_length, seed=0)
     batches = [{k: v[j * batch_size : (j + 1) * batch_size] for k, v in full.items()} for j in range(accumulation)]
     meter = SavedTensorMeter(model)
-    rss_before = _proc_status_kib("VmRSS")
-    rss_reset = _reset_peak_rss()
+    rss_before = proc_status_kib("VmRSS")
+    rss_reset = reset_peak_rss()
     times = []
     for step in range(repeats + 1):
         model.zero_grad(set_to_none=True)
@@ -166,7 +136,7 @@ def measure(
             loss = one_step(model, batches, mode)
         times.append(time.perf_counter() - start)
         if step == 0:
-            hwm = _proc_status_kib("VmHWM")
+            hwm = proc_status_kib("VmHWM")
             rss_growth = (hwm - rss_before) / 1024 if rss_reset and hwm and rss_before else None
         assert meter.current == 0, "saved tensors outlived the step"
     return {
@@ -189,40 +159,18 @@ def measure(
 SETTINGS = [("plain", 16, 1), ("grad_cache", 4, 4), ("accumulate", 4, 4), ("plain", 4, 1)]
 
 
-def _in_fresh_process(payload: dict) -> dict:
-    """`measure` in a new interpreter, so that its RSS high-water mark is its own."""
-    done = subprocess.run(
-        [sys.executable, __file__, "--_worker", json.dumps(payload)], capture_output=True, text=True, check=False
-    )
-    if done.returncode != 0:
-        raise RuntimeError(done.stderr[-4000:])
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
-def machine() -> dict:
-    import transformers
-
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    except OSError:
-        pass
-    return {
-        "cores": os.cpu_count(),
-        "cpu": cpu,
-        "torch_threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-    }
+def measure_trial(payload: dict) -> dict:
+    """`measure` of one setting, in this fresh process (so that its RSS high-water mark is its own). `payload`:
+    `measure`'s keyword arguments, with `itm_loss_weight` for the recipe's config instead of `config`."""
+    payload = dict(payload)
+    config = recipe_config(payload.pop("itm_loss_weight"))
+    return measure(config, **payload)
 
 
 def markdown(rows: list[dict]) -> str:
-    lines = [
-        "| ITM | setting | pairs / step | ITC negatives | peak saved activations (MiB) | peak RSS growth (MiB) "
-        "| step (s) | loss |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
+    header = ["ITM", "setting", "pairs / step", "ITC negatives", "peak saved activations (MiB)"]
+    header += ["peak RSS growth (MiB)", "step (s)", "loss"]
+    cells = []
     for r in rows:
         name = (
             f"{r['mode']} B={r['micro_batch_size']}"
@@ -230,11 +178,10 @@ def markdown(rows: list[dict]) -> str:
             else (f"{r['mode']} {r['accumulation_steps']}x{r['micro_batch_size']}")
         )
         rss = f"{r['peak_rss_growth_mib']:.1f}" if r["peak_rss_growth_mib"] is not None else "n/a"
-        lines.append(
-            f"| {'on' if r['itm_loss_weight'] else 'off'} | {name} | {r['pairs_per_step']} | {r['itc_negatives']} "
-            f"| {r['peak_saved_mib']:.1f} | {rss} | {r['step_s']:.3f} | {r['loss']:.4f} |"
-        )
-    return "\n".join(lines)
+        itm = "on" if r["itm_loss_weight"] else "off"
+        numbers = [f"{r['peak_saved_mib']:.1f}", rss, f"{r['step_s']:.3f}", f"{r['loss']:.4f}"]
+        cells.append([itm, name, r["pairs_per_step"], r["itc_negatives"], *numbers])
+    return markdown_table(header, cells)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -243,7 +190,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--rounds", type=int, default=3, help="Rounds over every setting (fresh process each).")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own).")
     parser.add_argument("--text_length", type=int, default=16)
-    parser.add_argument("--output", default=str(SCRIPTS / "results" / "grad_cache.json"))
+    parser.add_argument(
+        "--output", default=str(RESULTS / "grad_cache"), help="Writes OUTPUT.json (a trailing .json is dropped)."
+    )
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -255,7 +204,7 @@ def main(argv: list[str] | None = None) -> dict:
             itm, mode, batch_size, accumulation = setting
             payload = dict(mode=mode, batch_size=batch_size, accumulation=accumulation, itm_loss_weight=itm,
                            repeats=args.repeats, text_length=args.text_length, threads=args.threads)  # fmt: skip
-            trials[setting].append(_in_fresh_process(payload))
+            trials[setting].append(run_in_new_interpreter("benchmark_grad_cache:measure_trial", payload))
             print(f"  round {round_ + 1}: {mode} {accumulation}x{batch_size} ITM {itm}", file=sys.stderr)
     rows = []
     for runs in trials.values():
@@ -288,17 +237,10 @@ def main(argv: list[str] | None = None) -> dict:
         },
         "rows": rows,
     }
-    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-    with open(args.output, "w") as f:
-        json.dump(report, f, indent=2)
+    write_report(args.output.removesuffix(".json"), report)
     print(markdown(rows))
     return report
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 2 and sys.argv[1] == "--_worker":
-        payload = json.loads(sys.argv[2])
-        config = recipe_config(payload.pop("itm_loss_weight"))
-        print(json.dumps(measure(config, **payload)))
-    else:
-        main()
+    main()

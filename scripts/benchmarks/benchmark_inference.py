@@ -1,38 +1,30 @@
-"""Inference speed: the pipelines against what a user would write without them. Prints a table, writes JSON + Markdown.
+"""
+Inference speed of the pipelines against what a user would write without them, on easy-VQA test data: VQA through
+the `image-text-classification` pipeline against processor + model per question, and zero-shot classification through
+`cached-zero-shot-image-classification` against transformers' stock `zero-shot-image-classification`. Contenders
+alternate in one process, round after round; the table gives medians (min–max over rounds). Without a trained
+`--model`, random-weight models of the default run's architecture are built. Method: scripts/benchmarks/README.md.
 
-    python scripts/benchmark_inference.py [--model outputs/easy_vqa] [--rounds 3]
+    python scripts/benchmarks/benchmark_inference.py [--model outputs/easy_vqa] [--rounds 3]
 
-1. VQA over the easy-VQA test questions, read from the original image files: the `image-text-classification`
-   pipeline (batched, each image read and encoded once per batch) against a naive loop that calls the processor and
-   the model once per question.
-2. Zero-shot classification of easy-VQA test images against the 13 easy-VQA answers as labels: the
-   `cached-zero-shot-image-classification` pipeline (label prompts embedded once per call, images batched) against
-   transformers' stock `zero-shot-image-classification` pipeline (one image per call, the prompts re-embedded each
-   time), which gives the same scores.
-
-Contenders alternate (A B A B ...) in one process, each round on the same inputs; the table gives the median and the
-min-max over rounds. Without a trained `--model`, models of the default run's architecture with random weights are
-built (speed does not depend on the weights).
+Writes scripts/benchmarks/results/benchmark_inference.{json,md} and prints the Markdown table.
 """
 
 import json
 import os
 import platform
-import statistics
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+from benchmarking import RESULTS, markdown_table, median_range, spread, write_report
 from PIL import Image
 from transformers import HfArgumentParser, pipeline
 
 import mm_fusion
 from mm_fusion.data import load_easy_vqa
-
-
-RESULTS = Path(__file__).resolve().parent / "results"
 
 
 @dataclass
@@ -44,7 +36,12 @@ class BenchmarkArguments:
     zero_shot_images: int = field(default=100, metadata={"help": "Images per round for zero-shot."})
     rounds: int = field(default=3, metadata={"help": "Interleaved rounds."})
     batch_size: int = field(default=64, metadata={"help": "Pipeline batch size."})
-    output_name: str = field(default="benchmark_inference", metadata={"help": "Name of the JSON / Markdown files."})
+    output_name: str = field(
+        default="benchmark_inference",
+        metadata={
+            "help": "Name of the JSON / Markdown files in scripts/benchmarks/results (or an absolute path stem)."
+        },
+    )
 
 
 def default_models(directory: Path) -> tuple[str, str]:
@@ -92,7 +89,8 @@ def timed(fn, *args) -> tuple[float, object]:
 
 
 def summary(rates: list[float]) -> dict:
-    return {"median": statistics.median(rates), "min": min(rates), "max": max(rates), "rounds": rates}
+    """`spread` of per-round rates, with the rates themselves."""
+    return {**spread(rates), "rounds": rates}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -162,30 +160,49 @@ def main(argv: list[str] | None = None) -> dict:
     result["speedup"] = {key: summary(value) for key, value in speedups.items()}
     table = markdown(result)
     print(table)
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"{args.output_name}.json").write_text(json.dumps(result, indent=2) + "\n")
-    (RESULTS / f"{args.output_name}.md").write_text(table + "\n")
+    write_report(RESULTS / args.output_name, result, table)
     return result
 
 
 def markdown(result: dict) -> str:
     def cell(s: dict) -> str:
-        return f"{s['median']:.1f} ({s['min']:.1f}–{s['max']:.1f})"
+        return median_range(s, 1)
 
     vqa, zs, up = result["vqa"], result["zero_shot"], result["speedup"]
     rounds = result["settings"]["rounds"]
-    lines = [
-        f"| workload | contender | throughput, median (min–max of {rounds} rounds) | speed-up (per-round ratio) |",
-        "|---|---|---|---|",
-        f"| VQA, {vqa['questions']} test questions | `image-text-classification` pipeline | "
-        f"{cell(vqa['pipeline_questions_per_s'])} questions/s | {cell(up['vqa'])}× |",
-        f"| VQA, first {vqa['naive_questions']} | processor + model per question | "
-        f"{cell(vqa['naive_questions_per_s'])} questions/s | 1× |",
-        f"| zero-shot, {zs['images']} images × {zs['labels']} labels | `cached-zero-shot-image-classification` | "
-        f"{cell(zs['cached_images_per_s'])} images/s | {cell(up['zero_shot'])}× |",
-        f"| zero-shot, same | stock `zero-shot-image-classification` | {cell(zs['stock_images_per_s'])} images/s "
-        "| 1× |",
+    header = [
+        "workload",
+        "contender",
+        f"throughput, median (min–max of {rounds} rounds)",
+        "speed-up (per-round ratio)",
     ]
+    cells = [
+        [
+            f"VQA, {vqa['questions']} test questions",
+            "`image-text-classification` pipeline",
+            f"{cell(vqa['pipeline_questions_per_s'])} questions/s",
+            f"{cell(up['vqa'])}×",
+        ],
+        [
+            f"VQA, first {vqa['naive_questions']}",
+            "processor + model per question",
+            f"{cell(vqa['naive_questions_per_s'])} questions/s",
+            "1×",
+        ],
+        [
+            f"zero-shot, {zs['images']} images × {zs['labels']} labels",
+            "`cached-zero-shot-image-classification`",
+            f"{cell(zs['cached_images_per_s'])} images/s",
+            f"{cell(up['zero_shot'])}×",
+        ],
+        [
+            "zero-shot, same",
+            "stock `zero-shot-image-classification`",
+            f"{cell(zs['stock_images_per_s'])} images/s",
+            "1×",
+        ],
+    ]
+    lines = [markdown_table(header, cells)]
     if vqa["training_eval_accuracy"] is not None:
         lines.append(
             f"\nServed accuracy through the pipeline over the {vqa['questions']} test questions, read from the "
