@@ -1,13 +1,13 @@
 """Sort-of-CLEVR: does fusion fuse? Run the relational recipes as a user would and tabulate accuracy per question type.
 
-    python scripts/benchmark_sort_of_clevr.py --runs hierarchical,late,image_only,text_only [--parallel 2]
+    python scripts/benchmarks/benchmark_sort_of_clevr.py --runs hierarchical,late,image_only,text_only [--parallel 2]
 
 Each run is `accelerate launch scripts/train.py scripts/configs/sort_of_clevr*.yaml [flags]` in a fresh process,
 timed over its whole wall time, and read back from its `all_results.json`. `--parallel 2` runs two at once with one
 torch thread each (what fits a 2-core machine; each then runs slower than it would alone, so its wall time is an
 upper bound of a lone run's); the table says which. The pretraining runs chain: `pretrain` writes the checkpoint
-that `finetune_pretrained` starts from, and is followed by `scripts/zero_shot_sort_of_clevr.py`. Writes
-`scripts/results/sort_of_clevr.{md,json,png}` (merged with the runs already there) and prints the table.
+that `finetune_pretrained` starts from, and is followed by `zero_shot_sort_of_clevr.py`. Writes
+`scripts/benchmarks/results/sort_of_clevr.{md,json,png}` (merged with the runs already there) and prints the table.
 """
 
 import argparse
@@ -20,9 +20,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import yaml
+from benchmarking import RESULTS, ROOT, SCRIPTS
 
 
-ROOT = Path(__file__).resolve().parent.parent
 MAIN = "scripts/configs/sort_of_clevr.yaml"
 SHORT = "scripts/configs/sort_of_clevr_short.yaml"
 PRETRAIN = "scripts/configs/sort_of_clevr_pretrain.yaml"
@@ -61,7 +61,7 @@ def run_one(name: str, output_root: Path, threads: int | None) -> dict:
     row["threads"] = threads
     row.update({k: v for k, v in results.items() if k.startswith("eval_") or k in ("epoch", "train_runtime")})
     if name == "pretrain":
-        zero_shot = [sys.executable, "scripts/zero_shot_sort_of_clevr.py", "--model", str(output_dir)]
+        zero_shot = [sys.executable, str(SCRIPTS / "zero_shot_sort_of_clevr.py"), "--model", str(output_dir)]
         subprocess.run(zero_shot, cwd=ROOT, check=True, env=env, capture_output=True)
         row.update(json.loads((output_dir / "zero_shot_results.json").read_text()))
     return row
@@ -75,7 +75,7 @@ def question_only_ceiling(dataset_options: str) -> dict[str, float]:
     from collections import Counter, defaultdict
 
     from mm_fusion.data import load_sort_of_clevr
-    from mm_fusion.training.builders import parse_overrides
+    from mm_fusion.training.data import parse_overrides
 
     data = load_sort_of_clevr(**parse_overrides(dataset_options, flag="--dataset_options"))
     columns = ["question", "answer", "question_type", "question_family"]
@@ -153,7 +153,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--parallel", type=int, default=1, help="Runs at once (each with cores / N torch threads).")
     parser.add_argument("--threads", type=int, default=None, help="torch threads per run (default: the launcher's).")
     parser.add_argument("--output_root", default="outputs/sort_of_clevr")
-    parser.add_argument("--results", default="scripts/results/sort_of_clevr", help="Path stem of md / json / png.")
+    parser.add_argument("--results", default=str(RESULTS / "sort_of_clevr"), help="Path stem of md / json / png.")
     args = parser.parse_args(argv)
     names = [n for n in args.runs.split(",") if n]
     unknown = [n for n in names if n not in RUNS]

@@ -1,18 +1,20 @@
 """Run the easy-VQA training recipes and ablations as a user would, and tabulate accuracy, wall time and speed.
 
-`python scripts/benchmark_training.py --runs default,full --repeats 3` runs, one after the other, each recipe exactly
-as the README tells users to: `accelerate launch scripts/train.py ...` in a fresh process (accelerate's own launcher,
-no config file, so with the thread count it gives a CPU process), timing its whole wall time (start-up,
-preprocessing from the cache, training, every evaluation, saving), and reads the run's `all_results.json` and
-`trainer_state.json`. With `--repeats N` each recipe runs N times (A B A B ... when several are asked for) and the
-table gives the median with min-max. Writes `scripts/results/benchmark_training.{md,json}` (merged with the runs
-already there) and prints the table.
+Each run is the README's command, `accelerate launch scripts/train.py ...`, in a fresh process from the checkout's
+root, timed over its whole wall time and read back from its `all_results.json` and `trainer_state.json`; with
+`--repeats N` the recipes run interleaved N times and the table gives medians (min–max). Method and results:
+scripts/benchmarks/README.md.
+
+    python scripts/benchmarks/benchmark_training.py --runs default --repeats 3
+    python scripts/benchmarks/benchmark_training.py --runs short,late,image_only,text_only   # the 3-epoch ablations
+
+Writes scripts/benchmarks/results/benchmark_training.{md,json} (merged with the runs already there) and prints the
+table.
 """
 
 import json
 import os
 import platform
-import statistics
 import subprocess
 import sys
 import time
@@ -20,10 +22,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from benchmarking import RESULTS, ROOT, median_range, spread
 from transformers import HfArgumentParser
 
 
-ROOT = Path(__file__).resolve().parent.parent
 SHORT = ["--num_train_epochs", "3"]  # the ablations: 3 epochs each, against the same 3-epoch baseline
 RUNS = {
     "default": [],
@@ -54,7 +56,7 @@ class BenchmarkArguments:
     runs: str = field(default="default", metadata={"help": f"Comma-separated, from {', '.join(RUNS)}."})
     repeats: int = field(default=1, metadata={"help": "Runs of each recipe, interleaved; medians with min-max."})
     output_root: str = field(default="outputs/benchmark_training", metadata={"help": "Where the runs write."})
-    results: str = field(default="scripts/results/benchmark_training", metadata={"help": "Path stem of md/json."})
+    results: str = field(default=str(RESULTS / "benchmark_training"), metadata={"help": "Path stem of md/json."})
 
 
 def run_one(name: str, output_dir: Path) -> dict:
@@ -98,30 +100,18 @@ def run_one(name: str, output_dir: Path) -> dict:
 
 def combine(name: str, runs: list[dict]) -> dict:
     """One row from the repeats of a recipe: medians, with every run kept."""
-
-    def spread(key):
-        values = [r[key] for r in runs]
-        return {"median": statistics.median(values), "min": min(values), "max": max(values)}
-
     first = runs[0]
     return {
         "run": name,
         "description": first["description"],
         "command": first["command"],
         "repeats": len(runs),
-        "test_accuracy": spread("test_accuracy"),
-        "wall_seconds": spread("wall_seconds"),
-        "train_samples_per_second": spread("median_train_samples_per_second"),
-        "data_wait_fraction": spread("median_data_wait_fraction"),
+        "test_accuracy": spread([r["test_accuracy"] for r in runs]),
+        "wall_seconds": spread([r["wall_seconds"] for r in runs]),
+        "train_samples_per_second": spread([r["median_train_samples_per_second"] for r in runs]),
+        "data_wait_fraction": spread([r["median_data_wait_fraction"] for r in runs]),
         "runs": runs,
     }
-
-
-def _cell(stat: dict, fmt: str, scale: float = 1.0) -> str:
-    median = format(stat["median"] * scale, fmt)
-    if stat["min"] == stat["max"]:
-        return median
-    return f"{median} ({format(stat['min'] * scale, fmt)}–{format(stat['max'] * scale, fmt)})"
 
 
 def table(rows: list[dict]) -> str:
@@ -133,9 +123,9 @@ def table(rows: list[dict]) -> str:
     for r in rows:
         per_epoch = ", ".join(f"{a:.3f}" for a in r["runs"][0]["accuracy_per_epoch"])
         lines.append(
-            f"| {r['run']} | {r['description']} | {r['repeats']} | {_cell(r['test_accuracy'], '.4f')} | "
-            f"{_cell(r['wall_seconds'], '.1f', 1 / 60)} | {_cell(r['train_samples_per_second'], '.0f')} | "
-            f"{_cell(r['data_wait_fraction'], '.1f', 100)}% | {per_epoch} |"
+            f"| {r['run']} | {r['description']} | {r['repeats']} | {median_range(r['test_accuracy'], 4)} | "
+            f"{median_range(r['wall_seconds'], 1, 1 / 60)} | {median_range(r['train_samples_per_second'])} | "
+            f"{median_range(r['data_wait_fraction'], 1, 100)}% | {per_epoch} |"
         )
     return "\n".join(lines)
 
@@ -146,7 +136,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     unknown = [n for n in names if n not in RUNS]
     if unknown:
         raise ValueError(f"Unknown runs {unknown}; choose from {list(RUNS)}.")
-    results_path = ROOT / f"{args.results}.json"
+    results_path = ROOT / f"{args.results}.json"  # a relative --results is under the checkout
     previous = json.loads(results_path.read_text())["runs"] if results_path.is_file() else []
     rows = {r["run"]: r for r in previous if "repeats" in r}  # rows of the older one-run format are dropped
     done = {name: [] for name in names}
@@ -166,7 +156,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     results_path.parent.mkdir(parents=True, exist_ok=True)
     results_path.write_text(json.dumps({"machine": machine, "runs": ordered}, indent=2) + "\n")
     markdown = header + "\n\n" + table(ordered) + "\n"
-    (ROOT / f"{args.results}.md").write_text(markdown)
+    results_path.with_suffix(".md").write_text(markdown)
     print("\n" + markdown)
     return ordered
 

@@ -1,39 +1,32 @@
 """
-Profile the default training step and measure the candidate speed-ups against it, in one process, interleaved.
+Profile the default training step and measure candidate speed-ups against it, in one process, interleaved: the model,
+batches and optimizer of `scripts/train.py` with no arguments (`mm_fusion.training.setup_run`), a step being forward,
+backward, optimizer step and `zero_grad` without data loading. First a `torch.profiler` table of the ops that take
+the time, then the variants `default`, `bf16` (CPU autocast), `eager` (attention without SDPA) and `compile`
+(`torch.compile`, its compile time apart), each over the same batches, for `--rounds` rounds. Method and results:
+scripts/benchmarks/README.md.
 
-The model, data and optimizer are the ones `scripts/train.py` builds with no arguments (`build_trainer`): the same
-batches (grouped by image, uint8 images, unpadded ids) and Trainer's optimizer (fused AdamW). A step is forward with
-labels, backward, optimizer step and `zero_grad`, as Trainer's inner loop does (no data loading: that is
-`benchmark_training_step.py`'s data-wait column). First a `torch.profiler` table of the ops that take the time, then
-the variants, each timed over the same `--steps` batches, in turn (A B C ..., then again) for `--rounds` rounds:
+    python scripts/benchmarks/profile_training_step.py     # ~4 minutes on 2 cores
+    python scripts/benchmarks/profile_training_step.py --rounds 1 --steps 5 --variants default,bf16   # a quick look
 
-- `default`: what a run does today;
-- `bf16`: the step under `torch.autocast("cpu", torch.bfloat16)` (what `--bf16` does on a CPU);
-- `eager`: attention through the model's eager implementation instead of SDPA;
-- `compile`: `torch.compile(model)` (what `--torch_compile` does); its compile time is reported apart.
-
-    python scripts/profile_training_step.py                 # ~4 minutes on 2 cores
-    python scripts/profile_training_step.py --rounds 1 --steps 5 --variants default,bf16   # a quick look
-
-Writes scripts/results/profile_training_step.{json,md} and prints the tables.
+Writes scripts/benchmarks/results/profile_training_step.{json,md} and prints the tables.
 """
 
 import contextlib
-import importlib.util
-import json
 import os
 import platform
 import statistics
 import tempfile
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
+from benchmarking import RESULTS, median_range, spread, write_report
 from transformers import HfArgumentParser
 
+from mm_fusion.training import setup_run
 
-SCRIPTS = Path(__file__).resolve().parent
+
 VARIANTS = ("default", "bf16", "eager", "compile")
 
 
@@ -43,14 +36,7 @@ class ProfileArguments:
     rounds: int = field(default=3, metadata={"help": "Interleaved rounds."})
     steps: int = field(default=20, metadata={"help": "Timed steps per variant and round (after 3 untimed ones)."})
     profile_steps: int = field(default=10, metadata={"help": "Steps under torch.profiler (0: no profile)."})
-    output: str = field(default=str(SCRIPTS / "results" / "profile_training_step"), metadata={"help": "Path stem."})
-
-
-def _train_script():
-    spec = importlib.util.spec_from_file_location("mm_fusion_train_script", SCRIPTS / "train.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    output: str = field(default=str(RESULTS / "profile_training_step"), metadata={"help": "Path stem."})
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -60,7 +46,7 @@ def main(argv: list[str] | None = None) -> dict:
     if unknown:
         raise ValueError(f"Unknown variants {unknown}; choose from {VARIANTS}.")
     with tempfile.TemporaryDirectory() as out:
-        trainer, _ = _train_script().build_trainer(
+        trainer = setup_run(
             ["--output_dir", out, "--max_steps", "1", "--eval_strategy", "no", "--save_strategy", "no"]
         )
     model, optimizer = trainer.model, trainer.create_optimizer()
@@ -120,7 +106,7 @@ def main(argv: list[str] | None = None) -> dict:
         rows.append(
             {
                 "variant": v,
-                "samples_per_second": {"median": median, "min": min(speeds[v]), "max": max(speeds[v])},
+                "samples_per_second": spread(speeds[v]),
                 "vs_default": median / base if base else None,
                 "runs": speeds[v],
             }
@@ -136,17 +122,14 @@ def main(argv: list[str] | None = None) -> dict:
         "|---|---|---|",
     ]
     for row in rows:
-        s = row["samples_per_second"]
         ratio = f"{row['vs_default']:.2f}x" if row["vs_default"] else "-"
-        lines.append(f"| {row['variant']} | {s['median']:.0f} ({s['min']:.0f}–{s['max']:.0f}) | {ratio} |")
+        lines.append(f"| {row['variant']} | {median_range(row['samples_per_second'])} | {ratio} |")
     if compile_seconds is not None:
         lines += ["", f"`torch.compile`: {compile_seconds:.0f} s to compile (and run the first 3 steps)."]
     markdown = "\n".join(lines) + "\n"
     print("\n" + markdown)
     result = {"machine": machine, "rows": rows, "compile_seconds": compile_seconds, "profile": profile_table}
-    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-    Path(f"{args.output}.json").write_text(json.dumps(result, indent=2) + "\n")
-    Path(f"{args.output}.md").write_text(markdown + ("\n```\n" + profile_table + "\n```\n" if profile_table else ""))
+    write_report(args.output, result, markdown + ("\n```\n" + profile_table + "\n```\n" if profile_table else ""))
     return result
 
 

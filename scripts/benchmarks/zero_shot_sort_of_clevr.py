@@ -1,6 +1,6 @@
 """Zero-shot evaluation of a contrastively pretrained model on Sort-of-CLEVR's held-out images.
 
-    python scripts/zero_shot_sort_of_clevr.py --model outputs/sort_of_clevr_pretrain [--dataset_options ...]
+    python scripts/benchmarks/zero_shot_sort_of_clevr.py --model outputs/sort_of_clevr_pretrain [--dataset_options ...]
 
 For every test image and every object in it, the model is shown two captions that differ only in that object's shape
 (the true caption, and the same caption with that one square made a circle or the other way round) and must score
