@@ -1,13 +1,15 @@
 """Sort-of-CLEVR: does fusion fuse? Run the relational recipes as a user would and tabulate accuracy per question type.
 
-    python scripts/benchmarks/benchmark_sort_of_clevr.py --runs hierarchical,late,image_only,text_only [--parallel 2]
+Each run is `accelerate launch scripts/train.py scripts/configs/sort_of_clevr*.yaml [flags]` in a fresh process from
+the checkout's root, timed over its whole wall time and read back from its `all_results.json`; `pretrain` is followed
+by `zero_shot_sort_of_clevr.py`, and every invocation adds the question-only ceiling computed from the data. Method
+and results: scripts/benchmarks/README.md.
 
-Each run is `accelerate launch scripts/train.py scripts/configs/sort_of_clevr*.yaml [flags]` in a fresh process,
-timed over its whole wall time, and read back from its `all_results.json`. `--parallel 2` runs two at once with one
-torch thread each (what fits a 2-core machine; each then runs slower than it would alone, so its wall time is an
-upper bound of a lone run's); the table says which. The pretraining runs chain: `pretrain` writes the checkpoint
-that `finetune_pretrained` starts from, and is followed by `zero_shot_sort_of_clevr.py`. Writes
-`scripts/benchmarks/results/sort_of_clevr.{md,json,png}` (merged with the runs already there) and prints the table.
+    python scripts/benchmarks/benchmark_sort_of_clevr.py --runs hierarchical   # the main recipe, ~35 min on 2 cores
+    python scripts/benchmarks/benchmark_sort_of_clevr.py --runs late,image_only,text_only --parallel 2
+
+Writes scripts/benchmarks/results/sort_of_clevr.{json,md,png} (merged with the runs already there) and prints the
+table.
 """
 
 import argparse
@@ -20,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import yaml
-from benchmarking import RESULTS, ROOT, SCRIPTS
+from benchmarking import RESULTS, ROOT, SCRIPTS, markdown_table, write_report
 
 
 MAIN = "scripts/configs/sort_of_clevr.yaml"
@@ -38,6 +40,13 @@ RUNS = {
 ORDER = [*RUNS, "question_only_ceiling"]
 TYPES = ("relational", "non_relational")
 FAMILIES = ("shape", "horizontal", "vertical", "closest", "furthest", "count")
+
+
+def recipe_dataset_options(flags: list[str]) -> str:
+    """The `dataset_options` a run of these arguments trains on: its last `--dataset_options` flag, else its config
+    file's."""
+    given = [value for flag, value in zip(flags, flags[1:]) if flag == "--dataset_options"]
+    return given[-1] if given else yaml.safe_load((ROOT / flags[0]).read_text())["dataset_options"]
 
 
 def run_one(name: str, output_root: Path, threads: int | None) -> dict:
@@ -62,7 +71,10 @@ def run_one(name: str, output_root: Path, threads: int | None) -> dict:
     row.update({k: v for k, v in results.items() if k.startswith("eval_") or k in ("epoch", "train_runtime")})
     if name == "pretrain":
         zero_shot = [sys.executable, str(SCRIPTS / "zero_shot_sort_of_clevr.py"), "--model", str(output_dir)]
-        subprocess.run(zero_shot, cwd=ROOT, check=True, env=env, capture_output=True)
+        zero_shot += ["--dataset_options", recipe_dataset_options(flags)]  # the test images of the data it trained on
+        done = subprocess.run(zero_shot, cwd=ROOT, env=env, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"The zero-shot evaluation of {output_dir} failed:\n{done.stderr[-4000:]}")
         row.update(json.loads((output_dir / "zero_shot_results.json").read_text()))
     return row
 
@@ -75,7 +87,7 @@ def question_only_ceiling(dataset_options: str) -> dict[str, float]:
     from collections import Counter, defaultdict
 
     from mm_fusion.data import load_sort_of_clevr
-    from mm_fusion.training.data import parse_overrides
+    from mm_fusion.training import parse_overrides
 
     data = load_sort_of_clevr(**parse_overrides(dataset_options, flag="--dataset_options"))
     columns = ["question", "answer", "question_type", "question_family"]
@@ -93,32 +105,43 @@ def question_only_ceiling(dataset_options: str) -> dict[str, float]:
 
 
 def markdown(rows: dict[str, dict]) -> str:
+    """The VQA runs' accuracy per question type and family, and the pretraining run's retrieval and zero-shot
+    accuracy."""
     vqa = [rows[n] for n in ORDER if n in rows and "eval_accuracy" in rows[n]]
-    lines = [
-        "| run | relational | non-relational | closest | furthest | count | shape | left | top | all | wall time |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+    header = [
+        "run",
+        "relational",
+        "non-relational",
+        "closest",
+        "furthest",
+        "count",
+        "shape",
+        "left",
+        "top",
+        "all",
+        "wall time",
     ]
+    cells = []
     for r in vqa:
-        cells = [f"{r.get(f'eval_accuracy_{k}', float('nan')):.3f}" for k in (*TYPES, "closest", "furthest", "count")]
-        cells += [f"{r.get(f'eval_accuracy_{k}', float('nan')):.3f}" for k in ("shape", "horizontal", "vertical")]
+        keys = (*TYPES, "closest", "furthest", "count", "shape", "horizontal", "vertical")
+        accuracies = [f"{r.get(f'eval_accuracy_{k}', float('nan')):.3f}" for k in keys]
         if "wall_seconds" not in r:
             wall = "computed from the data"
         else:
             where = "" if r.get("threads") is None else f", {r['threads']} thread(s), sharing the machine"
             wall = f"{r['wall_seconds'] / 60:.1f} min{where}"
-        lines.append(f"| {r['run']} | {' | '.join(cells)} | {r['eval_accuracy']:.3f} | {wall} |")
+        cells.append([r["run"], *accuracies, f"{r['eval_accuracy']:.3f}", wall])
+    text = markdown_table(header, cells)
     pretrain = rows.get("pretrain")
     if pretrain:
-        lines += ["", "| pretraining | " + " | ".join(f"{d} R@{k}" for d in ("t2i", "i2t") for k in (1, 5, 10))]
-        lines[-1] += " | zero-shot ITC | zero-shot ITM | wall time |"
-        lines.append("|---" * 10 + "|")
         recalls = [pretrain.get(f"eval_{d}_R@{k}", float("nan")) for d in ("text_to_image", "image_to_text")
                    for k in (1, 5, 10)]  # fmt: skip
-        lines.append(
-            "| pretrain | " + " | ".join(f"{v:.3f}" for v in recalls) + f" | {pretrain['zero_shot_itc_accuracy']:.3f}"
-            f" | {pretrain['zero_shot_itm_accuracy']:.3f} | {pretrain['wall_seconds'] / 60:.1f} min |"
-        )
-    return "\n".join(lines) + "\n"
+        header = ["pretraining", *(f"{d} R@{k}" for d in ("t2i", "i2t") for k in (1, 5, 10))]
+        header += ["zero-shot ITC", "zero-shot ITM", "wall time"]
+        row = ["pretrain", *(f"{v:.3f}" for v in recalls), f"{pretrain['zero_shot_itc_accuracy']:.3f}"]
+        row += [f"{pretrain['zero_shot_itm_accuracy']:.3f}", f"{pretrain['wall_seconds'] / 60:.1f} min"]
+        text += "\n\n" + markdown_table(header, [row])
+    return text + "\n"
 
 
 def plot(rows: dict[str, dict], path: Path) -> None:
@@ -145,6 +168,7 @@ def plot(rows: dict[str, dict], path: Path) -> None:
     ax.legend(fontsize=7, loc="upper center", ncol=4, framealpha=0.95)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def main(argv=None) -> dict:
@@ -162,8 +186,8 @@ def main(argv=None) -> dict:
     output_root = ROOT / args.output_root
     output_root.mkdir(parents=True, exist_ok=True)
     threads = max(1, (os.cpu_count() or 1) // args.parallel) if args.parallel > 1 else args.threads
-    stem = ROOT / args.results
-    path = stem.with_suffix(".json")
+    stem = ROOT / args.results  # a relative --results is under the checkout
+    path = stem.with_name(stem.name + ".json")
     rows = {}
     # A fine-tuning run waits for the pretraining it starts from.
     first = [n for n in names if n != "finetune_pretrained"]
@@ -172,14 +196,12 @@ def main(argv=None) -> dict:
             rows[row["run"]] = row
     if "finetune_pretrained" in names:
         rows["finetune_pretrained"] = run_one("finetune_pretrained", output_root, threads)
-    recipe = yaml.safe_load((ROOT / MAIN).read_text())  # the ceiling of the main recipe's data
-    rows["question_only_ceiling"] = question_only_ceiling(recipe["dataset_options"])
+    rows["question_only_ceiling"] = question_only_ceiling(recipe_dataset_options([MAIN]))  # of the main recipe's data
     # Merged with the runs already there, read now: another instance may have written since this one started.
     rows = {**(json.loads(path.read_text()) if path.is_file() else {}), **rows}
-    path.write_text(json.dumps(rows, indent=2) + "\n")
     table = markdown(rows)
-    stem.with_suffix(".md").write_text(table)
-    plot(rows, stem.with_suffix(".png"))
+    write_report(stem, rows, table)
+    plot(rows, stem.with_name(stem.name + ".png"))
     print(table)
     return rows
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from benchmarking import RESULTS, ROOT, median_range, spread
+from benchmarking import RESULTS, ROOT, markdown_table, median_range, spread, write_report
 from transformers import HfArgumentParser
 
 
@@ -115,19 +115,30 @@ def combine(name: str, runs: list[dict]) -> dict:
 
 
 def table(rows: list[dict]) -> str:
-    lines = [
-        "| run | what | runs | test accuracy | wall time (min) | training samples/s | data wait "
-        "| accuracy at each evaluation (first run) |",
-        "|---|---|---|---|---|---|---|---|",
+    header = [
+        "run",
+        "what",
+        "runs",
+        "test accuracy",
+        "wall time (min)",
+        "training samples/s",
+        "data wait",
+        "accuracy at each evaluation (first run)",
     ]
-    for r in rows:
-        per_epoch = ", ".join(f"{a:.3f}" for a in r["runs"][0]["accuracy_per_epoch"])
-        lines.append(
-            f"| {r['run']} | {r['description']} | {r['repeats']} | {median_range(r['test_accuracy'], 4)} | "
-            f"{median_range(r['wall_seconds'], 1, 1 / 60)} | {median_range(r['train_samples_per_second'])} | "
-            f"{median_range(r['data_wait_fraction'], 1, 100)}% | {per_epoch} |"
-        )
-    return "\n".join(lines)
+    cells = [
+        [
+            r["run"],
+            r["description"],
+            r["repeats"],
+            median_range(r["test_accuracy"], 4),
+            median_range(r["wall_seconds"], 1, 1 / 60),
+            median_range(r["train_samples_per_second"]),
+            median_range(r["data_wait_fraction"], 1, 100) + "%",
+            ", ".join(f"{a:.3f}" for a in r["runs"][0]["accuracy_per_epoch"]),
+        ]
+        for r in rows
+    ]
+    return markdown_table(header, cells)
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -136,7 +147,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     unknown = [n for n in names if n not in RUNS]
     if unknown:
         raise ValueError(f"Unknown runs {unknown}; choose from {list(RUNS)}.")
-    results_path = ROOT / f"{args.results}.json"  # a relative --results is under the checkout
+    stem = ROOT / args.results  # a relative --results is under the checkout
+    results_path = stem.with_name(stem.name + ".json")
     previous = json.loads(results_path.read_text())["runs"] if results_path.is_file() else []
     rows = {r["run"]: r for r in previous if "repeats" in r}  # rows of the older one-run format are dropped
     done = {name: [] for name in names}
@@ -153,10 +165,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         "easy-VQA (38,575 train / 9,673 test questions); each recipe launched as the README does "
         f"(`accelerate launch scripts/train.py ...`), repeats interleaved, median (min–max); {machine}."
     )
-    results_path.parent.mkdir(parents=True, exist_ok=True)
-    results_path.write_text(json.dumps({"machine": machine, "runs": ordered}, indent=2) + "\n")
     markdown = header + "\n\n" + table(ordered) + "\n"
-    results_path.with_suffix(".md").write_text(markdown)
+    write_report(stem, {"machine": machine, "runs": ordered}, markdown)
     print("\n" + markdown)
     return ordered
 

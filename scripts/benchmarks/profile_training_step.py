@@ -1,10 +1,7 @@
 """
-Profile the default training step and measure candidate speed-ups against it, in one process, interleaved: the model,
-batches and optimizer of `scripts/train.py` with no arguments (`mm_fusion.training.setup_run`), a step being forward,
-backward, optimizer step and `zero_grad` without data loading. First a `torch.profiler` table of the ops that take
-the time, then the variants `default`, `bf16` (CPU autocast), `eager` (attention without SDPA) and `compile`
-(`torch.compile`, its compile time apart), each over the same batches, for `--rounds` rounds. Method and results:
-scripts/benchmarks/README.md.
+Profile the default training step and measure candidate speed-ups against it (`default`, `bf16`, `eager`, `compile`),
+in one process, interleaved: the model, batches and optimizer of `scripts/train.py` with no arguments
+(`mm_fusion.training.run.setup_run`), a step without data loading. Method and results: scripts/benchmarks/README.md.
 
     python scripts/benchmarks/profile_training_step.py     # ~4 minutes on 2 cores
     python scripts/benchmarks/profile_training_step.py --rounds 1 --steps 5 --variants default,bf16   # a quick look
@@ -24,7 +21,7 @@ import torch
 from benchmarking import RESULTS, median_range, spread, write_report
 from transformers import HfArgumentParser
 
-from mm_fusion.training import setup_run
+from mm_fusion.training.run import setup_run
 
 
 VARIANTS = ("default", "bf16", "eager", "compile")

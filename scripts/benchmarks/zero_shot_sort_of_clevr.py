@@ -1,12 +1,12 @@
 """Zero-shot evaluation of a contrastively pretrained model on Sort-of-CLEVR's held-out images.
 
+For every test image and every object in it, the model must score the true caption above the same caption with that
+object's shape swapped, by the ITC similarity and by the ITM head (chance 0.5). Method and results:
+scripts/benchmarks/README.md.
+
     python scripts/benchmarks/zero_shot_sort_of_clevr.py --model outputs/sort_of_clevr_pretrain [--dataset_options ...]
 
-For every test image and every object in it, the model is shown two captions that differ only in that object's shape
-(the true caption, and the same caption with that one square made a circle or the other way round) and must score
-the true one higher: the non-relational "what is the shape of the <colour> object?" question answered without any
-VQA training. Scored two ways: by the ITC similarity of the image and text embeddings, and by the ITM head. Chance is
-0.5. Prints the accuracies and writes them as JSON (`--output`).
+Prints the accuracies and writes them as JSON: `zero_shot_results.json` next to the model, or `--output`.
 """
 
 import argparse
