@@ -8,11 +8,20 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.models.auto.modeling_auto import MODEL_MAPPING
 
 from .custom_pipelines import save_custom_pipelines, served_here
+from .vision_towers import (
+    POSITION_EMBEDDINGS,
+    image_token_count,
+    is_vision_model_config,
+    num_stages,
+    vision_tower_type,
+    with_out_indices,
+)
 
 
 FUSION_TYPES = ("hierarchical", "cross_attention", "late")
 FUSION_DIRECTIONS = ("bidirectional", "text_to_image")
 POOLING_MODES = ("mean", "cls")
+IMAGE_POOLING = ("mean", "cls", "flatten")
 JOINT_POOLING = ("concat", "concat_product")
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -54,8 +63,10 @@ def _as_config(config: PretrainedConfig | dict | None, default: dict, name: str)
 
 
 def _check_tower_config(config: PretrainedConfig, role: str) -> None:
-    """Refuse a tower config whose AutoModel is not an encoder of the right modality."""
+    """Refuse a tower config whose model is not an encoder of the right modality."""
     name = f"{role}_config"
+    if role == "vision" and vision_tower_type(config) != "transformer" and is_vision_model_config(config):
+        return  # a backbone / convolutional tower: its feature maps become tokens (vision_towers.py)
     try:
         model_class = MODEL_MAPPING[type(config)]
     except (KeyError, ValueError):
@@ -74,9 +85,9 @@ def _check_tower_config(config: PretrainedConfig, role: str) -> None:
             f"{type(config).__name__} builds {model_class.__name__}.{hint}"
         )
     if getattr(config, "hidden_size", None) is None:
+        kinds = "encoder" if role == "text" else "encoder, backbone or convolutional"
         raise ValueError(
-            f"`{name}` ({type(config).__name__}) has no `hidden_size`; mm_fusion fuses transformer encoder towers "
-            "whose layers share one width."
+            f"`{name}` ({type(config).__name__}) has no `hidden_size`; mm_fusion fuses {role} {kinds} towers."
         )
 
 
@@ -87,8 +98,10 @@ class MMFusionConfig(PretrainedConfig):
 
     Args:
         vision_config (`PretrainedConfig` or `dict`, *optional*):
-            Config of the vision tower (e.g. `ViTConfig`, `CLIPVisionConfig`, `SiglipVisionConfig`). Defaults to a
-            small ViT.
+            Config of the vision tower: a transformer encoder (e.g. `ViTConfig`, `CLIPVisionConfig`,
+            `SiglipVisionConfig`), a backbone (`ResNetConfig`, `ConvNextConfig`..., built with `AutoBackbone`) or a
+            convolutional model (`MobileNetV2Config`...), whose feature maps become tokens (see
+            `vision_position_embedding`). Defaults to a small ViT.
         text_config (`PretrainedConfig` or `dict`, *optional*):
             Config of the text tower (e.g. `BertConfig`, `RobertaConfig`). Defaults to a small BERT.
         fusion_type (`str`, *optional*, defaults to `"hierarchical"`):
@@ -110,7 +123,9 @@ class MMFusionConfig(PretrainedConfig):
             Width of the fusion feed-forward layers. Defaults to `4 * fusion_hidden_size`.
         vision_bridge_layers (`list[int]`, *optional*):
             For `"hierarchical"`: which vision tower hidden states (0 = embeddings, `num_hidden_layers` = last layer)
-            feed the fusion layers, one per fusion layer. Defaults to the last `num_fusion_layers` layers.
+            feed the fusion layers, one per fusion layer. Defaults to the last `num_fusion_layers` layers. For a
+            backbone / convolutional tower these are stages: `stage_names[i]` of a backbone (0 = its stem), or
+            `hidden_states[i]` of another convolutional model. Other fusion types read the last stage.
         text_bridge_layers (`list[int]`, *optional*):
             Same for the text tower.
         fusion_dropout (`float`, *optional*, defaults to 0.1):
@@ -124,6 +139,12 @@ class MMFusionConfig(PretrainedConfig):
         pooling_mode (`str`, *optional*, defaults to `"mean"`):
             How a sequence becomes one vector: `"mean"` (over non-padding tokens / all patches) or `"cls"` (first
             token).
+        image_pooling (`str`, *optional*):
+            How the image tokens become the image vector that late fusion and the image embeddings
+            (`get_image_features`, contrastive learning) read: `"mean"`, `"cls"`, or `"flatten"` (every token in
+            order, concatenated before the image projection, so the vector keeps where each feature is, as the
+            CNN+MLP baseline of the Relation Network paper does; needs `vision_config.image_size`, the input size).
+            Defaults to `pooling_mode`.
         joint_pooling (`str`, *optional*, defaults to `"concat"`):
             The joint vector the heads read after cross-attention fusion (`hierarchical`, `cross_attention`):
             `"concat"`, the pooled text and image streams side by side, or `"concat_product"`, followed by their
@@ -146,6 +167,15 @@ class MMFusionConfig(PretrainedConfig):
             Dropout before the classification head's output layer.
         initializer_range (`float`, *optional*, defaults to 0.02):
             Standard deviation of the normal initialisation of the fusion block and heads.
+        vision_position_embedding (`str`, *optional*, defaults to `"sine"`):
+            How the tokens of a backbone / convolutional tower know where they are: `"sine"` (fixed 2-D sine
+            embeddings added after the 1x1 projection to `fusion_hidden_size`), `"coordinates"` ((x, y) channels
+            appended to the feature map before it), `"sine_coordinates"` (both) or `"none"`. Transformer towers keep
+            their own position embeddings.
+        vision_conv_stem (`list[int]`, *optional*):
+            Widths of stride-2 3x3 convolutions (each with BatchNorm and ReLU) that replace the patch-embedding
+            convolution of a transformer vision tower, followed by a convolution of the remaining stride to its width:
+            `[32, 64, 128]` with `patch_size=8` gives the same 8x8-pixel tokens from a convolutional stem.
         image_mean (`list[float]`, *optional*, defaults to the ImageNet mean):
             Per-channel mean used when `pixel_values` arrive as uint8 in [0, 255] (as the data collator delivers
             them): the model then normalises them itself, on its device. Set it to the vision tower's own values
@@ -186,6 +216,7 @@ class MMFusionConfig(PretrainedConfig):
         hidden_act: str = "gelu",
         layer_norm_eps: float = 1e-6,
         pooling_mode: str = "mean",
+        image_pooling: str | None = None,
         joint_pooling: str = "concat",
         projection_dim: int = 256,
         logit_scale_init_value: float = 2.6592,
@@ -197,12 +228,17 @@ class MMFusionConfig(PretrainedConfig):
         initializer_range: float = 0.02,
         image_mean: list[float] | None = None,
         image_std: list[float] | None = None,
+        vision_position_embedding: str = "sine",
+        vision_conv_stem: list[int] | None = None,
         **kwargs,
     ):
         if fusion_type not in FUSION_TYPES:
             raise ValueError(f"Unknown fusion_type {fusion_type!r}; valid fusion types are {', '.join(FUSION_TYPES)}.")
         if pooling_mode not in POOLING_MODES:
             raise ValueError(f"Unknown pooling_mode {pooling_mode!r}; valid modes are {', '.join(POOLING_MODES)}.")
+        image_pooling = image_pooling or pooling_mode
+        if image_pooling not in IMAGE_POOLING:
+            raise ValueError(f"Unknown image_pooling {image_pooling!r}; valid values are {', '.join(IMAGE_POOLING)}.")
         if joint_pooling not in JOINT_POOLING:
             raise ValueError(f"Unknown joint_pooling {joint_pooling!r}; valid values are {', '.join(JOINT_POOLING)}.")
         self.vision_config = _as_config(vision_config, DEFAULT_VISION_CONFIG, "vision_config")
@@ -231,11 +267,17 @@ class MMFusionConfig(PretrainedConfig):
             raise ValueError(f"fusion_type {fusion_type!r} needs num_fusion_layers >= 1, got {num_fusion_layers}.")
         self.vision_bridge_layers = self._bridge_layers(vision_bridge_layers, self.vision_config, "vision")
         self.text_bridge_layers = self._bridge_layers(text_bridge_layers, self.text_config, "text")
+        self._check_vision_tokens(vision_position_embedding, vision_conv_stem, pooling_mode, image_pooling)
+        self.vision_position_embedding = vision_position_embedding
+        self.vision_conv_stem = [int(c) for c in vision_conv_stem] if vision_conv_stem else None
+        if self.vision_tower_type == "backbone":  # the backbone outputs exactly the stages fusion reads
+            self.vision_config = with_out_indices(self.vision_config, self.vision_stages)
         self.fusion_dropout = fusion_dropout
         self.fusion_attention_dropout = fusion_attention_dropout
         self.hidden_act = hidden_act
         self.layer_norm_eps = layer_norm_eps
         self.pooling_mode = pooling_mode
+        self.image_pooling = image_pooling
         self.joint_pooling = joint_pooling
         self.projection_dim = projection_dim
         self.logit_scale_init_value = logit_scale_init_value
@@ -283,11 +325,84 @@ class MMFusionConfig(PretrainedConfig):
             output["custom_pipelines"] = saved
         return output
 
+    @property
+    def vision_tower_type(self) -> str:
+        """`"transformer"` (tokens are its hidden states), `"backbone"` or `"feature_maps"` (tokens are projected
+        feature maps): see vision_towers.py."""
+        return vision_tower_type(self.vision_config)
+
+    @property
+    def vision_hidden_size(self) -> int:
+        """Width of the image tokens the fusion block and the image projection read: the transformer tower's, or
+        `fusion_hidden_size` for feature maps projected to tokens."""
+        if self.vision_tower_type == "transformer":
+            return self.vision_config.hidden_size
+        return self.fusion_hidden_size
+
+    @property
+    def vision_stages(self) -> list[int] | None:
+        """The feature-map stages a backbone / convolutional tower feeds the fusion with: the bridge layers, or the
+        last stage (None for a transformer tower)."""
+        if self.vision_tower_type == "transformer":
+            return None
+        if self.vision_bridge_layers is not None:
+            return list(self.vision_bridge_layers)
+        return [num_stages(self.vision_config) - 1]
+
+    @property
+    def num_image_tokens(self) -> int:
+        """The image tokens per image at `vision_config.image_size` (what `image_pooling="flatten"` concatenates)."""
+        size = getattr(self.vision_config, "image_size", None)
+        size = size if isinstance(size, int) or size is None else size[0]
+        if size is None:
+            raise ValueError(
+                f"image_pooling='flatten' needs the input image size: set `image_size` on the vision config "
+                f"({type(self.vision_config).__name__})."
+            )
+        return image_token_count(self.vision_config, self.vision_stages, size)
+
+    def _check_vision_tokens(
+        self, position_embedding: str, conv_stem: list[int] | None, pooling_mode: str, image_pooling: str
+    ) -> None:
+        if position_embedding not in POSITION_EMBEDDINGS:
+            raise ValueError(
+                f"Unknown vision_position_embedding {position_embedding!r}; valid values are "
+                f"{', '.join(POSITION_EMBEDDINGS)}."
+            )
+        kind = self.vision_tower_type
+        name = type(self.vision_config).__name__
+        if kind != "transformer":
+            if conv_stem:
+                raise ValueError(
+                    f"vision_conv_stem replaces a vision transformer's patchify; the {name} tower is convolutional "
+                    "already."
+                )
+            if "cls" in (pooling_mode, image_pooling):
+                raise ValueError(
+                    f"pooling_mode / image_pooling 'cls' pools the first token, but the {name} tower's tokens are "
+                    "feature-map cells with no CLS token among them: use 'mean' (or image_pooling='flatten')."
+                )
+            if "sine" in position_embedding and self.fusion_hidden_size % 4:
+                raise ValueError(
+                    f"Sine position embeddings need fusion_hidden_size divisible by 4, got {self.fusion_hidden_size}."
+                )
+        elif conv_stem:
+            patch = getattr(self.vision_config, "patch_size", None)
+            patch = patch if isinstance(patch, int) or patch is None else patch[0]
+            if patch is None or patch % 2 ** len(conv_stem):
+                raise ValueError(
+                    f"vision_conv_stem {list(conv_stem)} has {len(conv_stem)} stride-2 convolutions (stride "
+                    f"{2 ** len(conv_stem)}), which must divide the vision tower's patch_size ({patch})."
+                )
+
     def _bridge_layers(self, layers: list[int] | None, tower: PretrainedConfig, role: str) -> list[int] | None:
-        """Resolve and check the tower layers that feed the hierarchical bridges."""
+        """Resolve and check the tower layers (or feature-map stages) that feed the hierarchical bridges."""
         if self.fusion_type != "hierarchical":
             return None
-        num_layers = getattr(tower, "num_hidden_layers", None)
+        if role == "vision" and vision_tower_type(tower) != "transformer":
+            num_layers = num_stages(tower) - 1  # stage indices run from 0 (the stem) to this
+        else:
+            num_layers = getattr(tower, "num_hidden_layers", None)
         if layers is None:
             if num_layers is None:
                 raise ValueError(

@@ -18,6 +18,7 @@ from transformers.utils import ModelOutput, can_return_tuple
 
 from .configuration_mm_fusion import MMFusionConfig
 from .distributed import all_gather_with_grad, broadcast_seed, gather_sizes, world
+from .vision_towers import MMFusionFeatureMapTokens, accepts, build_tower_model, install_conv_stem, stage_channels
 
 
 # The hidden states and attention probabilities every MMFusion output can carry: the towers' and the fusion layers'.
@@ -65,7 +66,8 @@ class MMFusionModelOutput(ModelOutput):
             the output of each layer.
         vision_hidden_states (`tuple(torch.FloatTensor)`, one per vision tower layer + 1):
             The vision tower's hidden states, each of shape `(num_images, P, vision_config.hidden_size)`: one row
-            per row of `pixel_values` (an image shared through `image_index` is encoded once).
+            per row of `pixel_values` (an image shared through `image_index` is encoded once). For a backbone /
+            convolutional tower, its own `(num_images, channels, height, width)` maps.
         fusion_text_hidden_states (`tuple(torch.FloatTensor)`, `num_fusion_layers + 1` of them):
             The text stream of the fusion block, each of shape `(B, T, D)`: the input of the first fusion layer, then
             the output of each fusion layer (before the final LayerNorm that gives `text_hidden_state`).
@@ -214,13 +216,13 @@ class MMFusionEncodingOutput(ModelOutput):
 
     Args:
         image_embeds (`torch.FloatTensor` of shape `(M, projection_dim)`):
-            Pooled and projected image embeddings, not normalised (`(M, vision_config.hidden_size)`, unprojected,
+            Pooled and projected image embeddings, not normalised (`(M, config.vision_hidden_size)`, unprojected,
             when the model has no projections), as `get_image_features` gives them.
         text_embeds (`torch.FloatTensor` of shape `(N, projection_dim)`):
             The same for the texts, pooled over their real tokens.
         image_features (`list[torch.FloatTensor]`):
-            What [`MMFusionModel.fuse`] reads of the vision tower: one `(M, P, vision_config.hidden_size)` map per
-            bridge layer (`"hierarchical"`), or the last one only.
+            What [`MMFusionModel.fuse`] reads of the vision tower: one `(M, P, config.vision_hidden_size)` map per
+            bridge layer (`"hierarchical"`), or the last one only; a feature-map tower's stages as tokens.
         text_features (`list[torch.FloatTensor]`):
             The same of the text tower, each `(N, T, text_config.hidden_size)`.
         text_hidden_states, vision_hidden_states, text_attentions, vision_attentions (`tuple(torch.FloatTensor)`):
@@ -522,7 +524,7 @@ class MMFusionEncoder(nn.Module):
             nn.Linear(config.text_config.hidden_size, hidden_size) for _ in range(num_bridges)
         )
         self.image_bridges = nn.ModuleList(
-            nn.Linear(config.vision_config.hidden_size, hidden_size) for _ in range(num_bridges)
+            nn.Linear(config.vision_hidden_size, hidden_size) for _ in range(num_bridges)
         )
         self.text_bridge_norms = nn.ModuleList(nn.LayerNorm(hidden_size, eps=eps) for _ in range(num_bridges))
         self.image_bridge_norms = nn.ModuleList(nn.LayerNorm(hidden_size, eps=eps) for _ in range(num_bridges))
@@ -593,11 +595,9 @@ class MMFusionMLPHead(nn.Module):
 
 
 def _build_tower(config) -> PreTrainedModel:
-    """AutoModel for a tower config, without a pooler where the class allows it (we pool ourselves)."""
-    try:
-        return AutoModel.from_config(config, add_pooling_layer=False)
-    except TypeError:
-        return AutoModel.from_config(config)
+    """The model for a tower config (`AutoBackbone` for a vision backbone, else `AutoModel`), without a pooler where
+    the class allows it (we pool ourselves)."""
+    return build_tower_model(config)
 
 
 class MMFusionPreTrainedModel(PreTrainedModel):
@@ -682,6 +682,8 @@ class MMFusionPreTrainedModel(PreTrainedModel):
         elif isinstance(module, nn.LayerNorm):
             init.ones_(module.weight)
             init.zeros_(module.bias)
+        elif isinstance(module, (nn.Conv2d, nn.BatchNorm2d)):  # the feature-map tokens' projections
+            super()._init_weights(module)
         elif isinstance(module, MMFusionForPretraining):
             init.constant_(module.logit_scale, self.config.logit_scale_init_value)
 
@@ -789,10 +791,22 @@ class MMFusionModel(MMFusionPreTrainedModel):
         # Share the sub-config objects so that changes through either path are seen by both.
         self.vision_model.config = config.vision_config
         self.text_model.config = config.text_config
+        if config.vision_conv_stem:
+            install_conv_stem(self.vision_model, config.vision_config, config.vision_conv_stem)
+        # A backbone / convolutional tower's feature maps become tokens of the fusion width.
+        self.feature_map_tokens = None
+        if config.vision_tower_type != "transformer":
+            channels = stage_channels(config.vision_config, config.vision_stages)
+            self.feature_map_tokens = MMFusionFeatureMapTokens(
+                channels, config.vision_hidden_size, config.vision_position_embedding
+            )
         self.is_late = config.fusion_type == "late"
         self.encoder = None if self.is_late else MMFusionEncoder(config)
         if add_projection_layers or self.is_late:
-            self.visual_projection = nn.Linear(config.vision_config.hidden_size, config.projection_dim, bias=False)
+            image_width = config.vision_hidden_size
+            if config.image_pooling == "flatten":  # every token, in order
+                image_width *= config.num_image_tokens
+            self.visual_projection = nn.Linear(image_width, config.projection_dim, bias=False)
             self.text_projection = nn.Linear(config.text_config.hidden_size, config.projection_dim, bias=False)
         else:
             self.visual_projection = self.text_projection = None
@@ -813,12 +827,7 @@ class MMFusionModel(MMFusionPreTrainedModel):
     ) -> tuple[ModelOutput, ModelOutput, list[torch.Tensor], list[torch.Tensor]]:
         """Run both towers once; returns their outputs and the feature lists the fusion block reads."""
         hierarchical = self.config.fusion_type == "hierarchical"
-        vision_out = self.vision_model(
-            pixel_values=self.normalize_pixels(pixel_values),
-            output_attentions=output_attentions,
-            output_hidden_states=hierarchical or output_hidden_states,
-            return_dict=True,
-        )
+        vision_out, image_features = self.encode_images(pixel_values, output_attentions, output_hidden_states)
         text_kwargs = {"token_type_ids": token_type_ids} if token_type_ids is not None else {}
         text_out = self.text_model(
             input_ids=input_ids,
@@ -829,12 +838,51 @@ class MMFusionModel(MMFusionPreTrainedModel):
             **text_kwargs,
         )
         if hierarchical:
-            image_features = self._bridge_features(vision_out, self.config.vision_bridge_layers)
             text_features = self._bridge_features(text_out, self.config.text_bridge_layers)
         else:
-            image_features = [_sequence(vision_out.last_hidden_state)]
             text_features = [text_out.last_hidden_state]
         return vision_out, text_out, image_features, text_features
+
+    def encode_images(
+        self, pixel_values: torch.Tensor, output_attentions: bool = False, output_hidden_states: bool = False
+    ) -> tuple[ModelOutput, list[torch.Tensor]]:
+        """
+        Run the vision tower: its output, and the image tokens the fusion block reads (one `(M, P,
+        config.vision_hidden_size)` tensor per bridge layer for `"hierarchical"`, else the last one). The tokens of a
+        transformer tower are its hidden states; those of a backbone / convolutional tower are its feature maps at
+        `config.vision_stages`, projected with positions ([`MMFusionFeatureMapTokens`]). The last tensor is the one
+        the image embedding pools.
+        """
+        hierarchical = self.config.fusion_type == "hierarchical"
+        pixel_values = self.normalize_pixels(pixel_values)
+        kind = self.config.vision_tower_type
+        if kind == "transformer":
+            vision_out = self.vision_model(
+                pixel_values=pixel_values,
+                output_attentions=output_attentions,
+                output_hidden_states=hierarchical or output_hidden_states,
+                return_dict=True,
+            )
+            if hierarchical:
+                return vision_out, self._bridge_features(vision_out, self.config.vision_bridge_layers)
+            return vision_out, [_sequence(vision_out.last_hidden_state)]
+        kwargs = {"output_attentions": output_attentions} if accepts(self.vision_model, "output_attentions") else {}
+        # A backbone returns the maps of its `out_indices` (the stages read); another model all its hidden states.
+        vision_out = self.vision_model(
+            pixel_values=pixel_values,
+            output_hidden_states=output_hidden_states or kind == "feature_maps",
+            return_dict=True,
+            **kwargs,
+        )
+        return vision_out, self.feature_map_tokens(self._stage_maps(vision_out))
+
+    def _stage_maps(self, vision_out: ModelOutput) -> list[torch.Tensor]:
+        """A backbone / convolutional tower's feature maps at `config.vision_stages`, in that order."""
+        stages = self.config.vision_stages
+        if self.config.vision_tower_type == "backbone":  # `feature_maps` are the stages read, sorted, once each
+            by_stage = dict(zip(sorted(set(stages)), vision_out.feature_maps))
+            return [by_stage[i] for i in stages]
+        return [vision_out.hidden_states[i] for i in stages]
 
     def encode(
         self,
@@ -862,7 +910,11 @@ class MMFusionModel(MMFusionPreTrainedModel):
             pixel_values, input_ids, attention_mask, token_type_ids, output_attentions, output_hidden_states
         )
         return MMFusionEncodingOutput(
-            image_embeds=self.embed_image(vision_out),
+            image_embeds=(
+                self.embed_image(vision_out)
+                if self.config.vision_tower_type == "transformer"
+                else self._embed_image_tokens(image_features[-1])
+            ),
             text_embeds=self.embed_text(text_out, attention_mask),
             image_features=image_features,
             text_features=text_features,
@@ -941,7 +993,7 @@ class MMFusionModel(MMFusionPreTrainedModel):
         if self.is_late:
             text_hidden, image_hidden = text_features[-1], image_features[-1]
             text_pooled = self.text_projection(pool(text_hidden, attention_mask, mode))
-            image_pooled = self.visual_projection(pool(image_hidden, None, mode))
+            image_pooled = self._embed_image_tokens(image_hidden)
             pooler_output = torch.cat([image_pooled, text_pooled, image_pooled * text_pooled], dim=-1)
             return MMFusionModelOutput(
                 text_hidden_state=text_hidden,
@@ -1079,21 +1131,29 @@ class MMFusionModel(MMFusionPreTrainedModel):
         Returns:
             [`~modeling_outputs.BaseModelOutputWithPooling`]: `pooler_output` of shape `(num_images, projection_dim)`
             is the embedding (the tower's pooled output, projected when the projections are built; the unprojected
-            `(num_images, vision_config.hidden_size)` otherwise), with the vision tower's `last_hidden_state`,
-            `hidden_states` and `attentions`.
+            `(num_images, config.vision_hidden_size)` otherwise), with the vision tower's `last_hidden_state`,
+            `hidden_states` and `attentions`. For a backbone / convolutional tower, `last_hidden_state` is its map at
+            the last stage the fusion reads, as `(num_images, height * width, channels)`, and the embedding pools
+            that stage's tokens.
         """
         if pixel_values is None:
             raise ValueError("get_image_features needs `pixel_values`.")
         output_attentions, output_hidden_states = self._output_flags(output_attentions, output_hidden_states)
-        vision_out = self.vision_model(
-            pixel_values=self.normalize_pixels(pixel_values),
-            output_attentions=output_attentions,
-            output_hidden_states=output_hidden_states,
-            return_dict=True,
-        )
+        if self.config.vision_tower_type == "transformer":
+            vision_out = self.vision_model(
+                pixel_values=self.normalize_pixels(pixel_values),
+                output_attentions=output_attentions,
+                output_hidden_states=output_hidden_states,
+                return_dict=True,
+            )
+            last_hidden_state, pooler_output = vision_out.last_hidden_state, self.embed_image(vision_out)
+        else:  # the tower's map at the last stage the fusion reads; the embedding pools that stage's tokens
+            vision_out, tokens = self.encode_images(pixel_values, output_attentions, output_hidden_states)
+            last_hidden_state = _sequence(self._stage_maps(vision_out)[-1])
+            pooler_output = self._embed_image_tokens(tokens[-1])
         return BaseModelOutputWithPooling(
-            last_hidden_state=vision_out.last_hidden_state,
-            pooler_output=self.embed_image(vision_out),
+            last_hidden_state=last_hidden_state,
+            pooler_output=pooler_output,
             hidden_states=vision_out.hidden_states if output_hidden_states else None,
             attentions=vision_out.attentions if output_attentions else None,
         )
@@ -1143,8 +1203,22 @@ class MMFusionModel(MMFusionPreTrainedModel):
         )
 
     def embed_image(self, vision_out: ModelOutput) -> torch.Tensor:
-        """Pool a vision tower output and project it (when the projections are built)."""
-        pooled = pool(_sequence(vision_out.last_hidden_state), None, self.config.pooling_mode)
+        """Pool a (transformer) vision tower output and project it (when the projections are built)."""
+        return self._embed_image_tokens(_sequence(vision_out.last_hidden_state))
+
+    def _embed_image_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Pool image tokens `(M, P, config.vision_hidden_size)` by `config.image_pooling` and project them (when the
+        projections are built)."""
+        if self.config.image_pooling == "flatten":
+            if tokens.shape[1] != self.config.num_image_tokens:
+                raise ValueError(
+                    f"image_pooling='flatten' reads {self.config.num_image_tokens} image tokens (images of "
+                    f"{self.config.vision_config.image_size} px), but these images give {tokens.shape[1]}: resize "
+                    "them to the size the model was built for (its processor does)."
+                )
+            pooled = tokens.flatten(1)
+        else:
+            pooled = pool(tokens, None, self.config.image_pooling)
         return self.visual_projection(pooled) if self.visual_projection is not None else pooled
 
     def embed_text(self, text_out: ModelOutput, attention_mask: torch.Tensor | None) -> torch.Tensor:

@@ -60,11 +60,27 @@ REMOTE_SCRIPT = BLOCK_MM_FUSION + textwrap.dedent(
 
 def test_trust_remote_code_round_trip_without_mm_fusion(tester, tmp_path):
     """Saved directories carry their code: a process that cannot import mm_fusion loads them and gets identical
-    outputs, for every head and fusion type, and the processor too."""
+    outputs, for every head, fusion type and kind of vision tower, and the processor too."""
     cases = [
-        (MMFusionModel, "AutoModel", "hierarchical"),
-        (MMFusionForImageTextClassification, "AutoModelForVisualQuestionAnswering", "cross_attention"),
-        (MMFusionForPretraining, "AutoModelForPreTraining", "late"),
+        (MMFusionModel, "AutoModel", tester.config("hierarchical")),
+        (MMFusionForImageTextClassification, "AutoModelForVisualQuestionAnswering", tester.config("cross_attention")),
+        (MMFusionForPretraining, "AutoModelForPreTraining", tester.config("late")),
+        # Convolutional vision towers: a backbone, a model read by its hidden states, a ViT with a convolutional stem.
+        (
+            MMFusionForImageTextClassification,
+            "AutoModelForVisualQuestionAnswering",
+            tester.config("hierarchical", vision_config=tester.resnet_config()),
+        ),
+        (
+            MMFusionForPretraining,
+            "AutoModelForPreTraining",
+            tester.config("late", vision_config=tester.mobilenet_config()),
+        ),
+        (
+            MMFusionModel,
+            "AutoModel",
+            tester.config("hierarchical", vision_config=tester.vision_config(patch_size=6), vision_conv_stem=[8]),
+        ),
     ]
     processor = MMFusionProcessor(
         MMFusionImageProcessor(size={"height": 30, "width": 30}), train_tokenizer(CORPUS, 200)
@@ -72,8 +88,8 @@ def test_trust_remote_code_round_trip_without_mm_fusion(tester, tmp_path):
     images = random_images(3)
     inputs = tester.inputs()
     jobs, expected = [], {}
-    for i, (cls, auto_class, fusion_type) in enumerate(cases):
-        model = cls(tester.config(fusion_type)).eval()
+    for i, (cls, auto_class, config) in enumerate(cases):
+        model = cls(config).eval()
         path = str(tmp_path / f"model_{i}")
         model.save_pretrained(path)
         processor.save_pretrained(path)

@@ -113,16 +113,22 @@ class MMFusionCommonTester:
     num_channels = 3
     is_training = True
 
-    def __init__(self, parent: unittest.TestCase, fusion_type: str, fusion_direction: str):
+    def __init__(self, parent: unittest.TestCase, fusion_type: str, fusion_direction: str, vision_tower: str = "vit"):
         self.parent = parent
         self.fusion_type = fusion_type
         self.fusion_direction = fusion_direction
+        self.vision_tower = vision_tower
 
     def get_config(self) -> MMFusionConfig:
+        extra = {}
+        if self.vision_tower == "resnet":  # a backbone: its feature maps become the image tokens
+            vision_config = self.shared.resnet_config()
+        else:
+            vision_config = self.shared.vision_config(patch_size=self.patch_size)
+        if self.vision_tower == "conv_stem":  # a stride-2 convolution + BatchNorm, then a stride-3 one: 6 px patches
+            extra["vision_conv_stem"] = [8]
         return self.shared.config(
-            self.fusion_type,
-            fusion_direction=self.fusion_direction,
-            vision_config=self.shared.vision_config(patch_size=self.patch_size),
+            self.fusion_type, fusion_direction=self.fusion_direction, vision_config=vision_config, **extra
         )
 
     def prepare_config_and_inputs_for_common(self) -> tuple[MMFusionConfig, dict[str, torch.Tensor]]:
@@ -147,6 +153,7 @@ class MMFusionCommonTests(common.ModelTesterMixin):
 
     fusion_type: str
     fusion_direction = "bidirectional"
+    vision_tower = "vit"  # "resnet": a backbone tower; "conv_stem": a ViT with a convolutional stem
     all_model_classes = (MMFusionModel, *HEADS)
     # The eager-vs-SDPA test feeds `main_input_name` (input_ids) and these.
     additional_model_inputs = ["pixel_values"]
@@ -168,7 +175,7 @@ class MMFusionCommonTests(common.ModelTesterMixin):
                 "compares tower outputs only, the same for every fusion type: run in MMFusionHierarchicalTest "
                 "(test_modeling.py::test_eager_attention_matches_sdpa covers the fusion layers)"
             )
-        self.model_tester = MMFusionCommonTester(self, self.fusion_type, self.fusion_direction)
+        self.model_tester = MMFusionCommonTester(self, self.fusion_type, self.fusion_direction, self.vision_tower)
 
     def _prepare_for_class(self, inputs_dict, model_class, return_labels=False):
         # The mixin adds labels for transformers' own task classes, found by name; these are ours.
@@ -194,7 +201,15 @@ class MMFusionCommonTests(common.ModelTesterMixin):
         t = self.model_tester
         B, T, P, D, H = t.batch_size, t.seq_length, (t.image_size // t.patch_size) ** 2 + 1, t.hidden_size, 4
         L = t.num_hidden_layers  # both towers and the fusion block have this many layers
-        return expected_output_shapes(B, T, P, D, H, L, self.fusion_type, self.fusion_direction)
+        if self.vision_tower != "resnet":
+            return expected_output_shapes(B, T, P, D, H, L, self.fusion_type, self.fusion_direction)
+        # ResNet at 30 px: stem 8x8 (8 channels), stage1 8x8 (8), stage2 4x4 (16). Hierarchical fusion reads stages
+        # 1 and 2 on the finer 8x8 grid, the others stage 2 (4x4), as tokens of the fusion width.
+        P = 64 if self.fusion_type == "hierarchical" else 16
+        shapes = expected_output_shapes(B, T, P, D, H, L, self.fusion_type, self.fusion_direction)
+        shapes["vision_hidden_states"] = [(B, 8, 8, 8), (B, 8, 8, 8), (B, 16, 4, 4)]  # the backbone's own maps
+        shapes["vision_attentions"] = None  # a convolutional tower has none
+        return shapes
 
     def _check_fields(self, outputs, kind: str, requested: bool):
         """The `kind` ("hidden_states" / "attentions") fields of `outputs` have the expected count and shapes."""
@@ -205,8 +220,11 @@ class MMFusionCommonTests(common.ModelTesterMixin):
             if expected is None or not requested:
                 self.assertIsNone(value, name)
                 continue
-            count, shape = expected
             self.assertIsInstance(value, tuple, name)
+            if isinstance(expected, list):  # one shape per entry
+                self.assertEqual([tuple(tensor.shape) for tensor in value], expected, name)
+                continue
+            count, shape = expected
             self.assertEqual(len(value), count, name)
             for tensor in value:
                 self.assertEqual(tuple(tensor.shape), shape, name)
@@ -300,3 +318,28 @@ class MMFusionCrossAttentionTextToImageTest(MMFusionCommonTests, unittest.TestCa
 
 class MMFusionLateTest(MMFusionCommonTests, unittest.TestCase):
     fusion_type = "late"
+
+
+class MMFusionResNetHierarchicalTest(MMFusionCommonTests, unittest.TestCase):
+    """A backbone tower (AutoBackbone): two stages of different resolution as hierarchical bridges."""
+
+    fusion_type = "hierarchical"
+    vision_tower = "resnet"
+    has_attentions = False  # the mixin's attention checks of get_image_features: a convolutional tower has none
+    # The mixin reads the vision width from `hidden_size`-like attributes, which ResNetConfig has not (its widths are
+    # `hidden_sizes`); test_vision_towers.py checks get_image_features' shapes for backbone towers.
+    skip_test_image_features_output_shape = True
+
+
+class MMFusionResNetLateTest(MMFusionCommonTests, unittest.TestCase):
+    fusion_type = "late"
+    vision_tower = "resnet"
+    has_attentions = False
+    skip_test_image_features_output_shape = True
+
+
+class MMFusionConvStemTest(MMFusionCommonTests, unittest.TestCase):
+    """A ViT tower whose patchify is a convolutional stem with BatchNorm."""
+
+    fusion_type = "hierarchical"
+    vision_tower = "conv_stem"

@@ -19,6 +19,7 @@ from .launch import check_launch
 
 
 TASKS = ("vqa", "classify", "pretrain")
+VISION_TOWERS = ("vit", "resnet", "convnext")
 # The evaluation metric each task is judged by (`metric_for_best_model` of early stopping, the printed result).
 MAIN_METRICS = {"vqa": "accuracy", "classify": "accuracy", "pretrain": "mean_recall"}
 ABLATIONS = ("none", "image_only", "text_only")
@@ -77,6 +78,20 @@ class ModelArguments:
             "batches grouped by image, the fusion then costs a fraction) or bidirectional (co-attention)."
         },
     )
+    vision_tower: str = field(
+        default="vit",
+        metadata={
+            "help": "The vision tower built from scratch: vit (a ViT of --vision_layers layers, --patch_size patches; "
+            "`--config_overrides vision_conv_stem=[32,64]` puts a convolutional stem in place of its patchify), "
+            "resnet or convnext (a backbone of --vision_widths stages, its feature maps projected to tokens with "
+            "positions: `vision_position_embedding` in --config_overrides)."
+        },
+    )
+    vision_widths: str = field(
+        default="24,48,96",
+        metadata={"help": "resnet / convnext: the channels of each stage, comma-separated (one stage each)."},
+    )
+    vision_depth: int = field(default=1, metadata={"help": "resnet / convnext: blocks per stage."})
     hidden_size: int = field(default=96, metadata={"help": "Width of towers built from scratch and of the fusion."})
     num_attention_heads: int = field(default=4, metadata={"help": "Attention heads of towers built from scratch."})
     vision_layers: int = field(default=4, metadata={"help": "Layers of a vision tower built from scratch."})
@@ -104,6 +119,16 @@ class ModelArguments:
     def __post_init__(self):
         if self.task not in TASKS:
             raise ValueError(f"--task must be one of {', '.join(TASKS)}, got {self.task!r}.")
+        if self.vision_tower not in VISION_TOWERS:
+            raise ValueError(f"--vision_tower must be one of {', '.join(VISION_TOWERS)}, got {self.vision_tower!r}.")
+        try:
+            widths = [int(w) for w in self.vision_widths.split(",")]
+        except ValueError:
+            widths = []
+        if not widths or min(widths) < 1:
+            raise ValueError(
+                f"--vision_widths must be positive integers, comma-separated; got {self.vision_widths!r}."
+            )
 
 
 @dataclass

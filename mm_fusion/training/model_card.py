@@ -178,6 +178,7 @@ def model_card_context(
     precision = "bf16" if training_args.bf16 else "fp16" if training_args.fp16 else "fp32"
     args = sys.argv[1:] if argv is None else argv
     auto_class = "AutoModelForPreTraining" if task == "pretrain" else "AutoModelForVisualQuestionAnswering"
+    image_size = trainer.processing_class.image_processor.size["height"]  # what the model was trained on
     return {
         "model_name": os.path.basename(os.path.normpath(training_args.output_dir)),
         "task": task,
@@ -194,6 +195,8 @@ def model_card_context(
         ),
         "fusion_hidden_size": config.fusion_hidden_size,
         "vision": config.vision_config,
+        "vision_description": describe_vision_tower(config, image_size),
+        "image_size": image_size,
         "text": config.text_config,
         "num_parameters": sum(p.numel() for p in model.parameters()),
         "from_scratch": not (
@@ -239,3 +242,23 @@ def model_card_context(
         "auto_class": auto_class,
         "example_text": "what shape is in the image?" if easy else "a photo",
     }
+
+
+def describe_vision_tower(config, image_size: int) -> str:
+    """One line for the card: the tower's type and size, and what the fusion reads of it."""
+    vision = config.vision_config
+    if config.vision_tower_type == "transformer":
+        patch = f"patch {vision.patch_size}" if getattr(vision, "patch_size", None) else "no patches"
+        if config.vision_conv_stem:
+            patch += f" from a convolutional stem ({', '.join(map(str, config.vision_conv_stem))} channels)"
+        layers = getattr(vision, "num_hidden_layers", "?")
+        return f"{vision.model_type}, {layers} layers, width {vision.hidden_size}, {image_size}px images, {patch}"
+    from ..vision_towers import stage_channels
+
+    stages = config.vision_stages
+    channels = ", ".join(map(str, stage_channels(vision, stages)))
+    return (
+        f"{vision.model_type} ({config.vision_tower_type}), {image_size}px images; stages {stages} ({channels} "
+        f"channels) read as tokens of width {config.vision_hidden_size}, "
+        f"`{config.vision_position_embedding}` positions"
+    )

@@ -26,13 +26,22 @@ def build_model_and_processor(
     model = build_model(model_args, tokenizer, data.labels, data_args.image_size or 64, data_args.max_length)
     if data.labels is not None:  # class ids: scores are read with a softmax, and the pipelines read this
         model.config.problem_type = "single_label_classification"
-    image_size = model.config.vision_config.image_size
+    image_size = input_image_size(model.config, data_args.image_size)
     processor = MMFusionProcessor(
         MMFusionImageProcessor(size={"height": image_size, "width": image_size}),
         tokenizer,
         max_length=data_args.max_length,
     )
     return model, processor
+
+
+def input_image_size(config: MMFusionConfig, requested: int | None) -> int:
+    """The side images are resized to: a transformer tower's own `image_size` (its position embeddings are made
+    for it); for a convolutional tower, which takes any size, `--image_size`, else its config's, else 64."""
+    own = getattr(config.vision_config, "image_size", None)
+    if config.vision_tower_type == "transformer" and own is not None:
+        return own
+    return requested or own or 64
 
 
 def build_tokenizer(model_args: ModelArguments, data_args: DataArguments, training_args, data: TrainingData):
@@ -91,7 +100,7 @@ def build_config(
     model_args: ModelArguments, image_size: int, vocab_size: int, max_length: int, labels: list[str] | None
 ) -> MMFusionConfig:
     """An MMFusionConfig for towers built from scratch (small ViT + BERT) from the size arguments."""
-    from transformers import BertConfig, ViTConfig
+    from transformers import BertConfig, ConvNextConfig, ResNetConfig, ViTConfig
 
     h, p = model_args.hidden_size, model_args.dropout
     tower = dict(
@@ -101,9 +110,23 @@ def build_config(
         hidden_dropout_prob=p,
         attention_probs_dropout_prob=0.0,
     )
-    vision = ViTConfig(
-        image_size=image_size, patch_size=model_args.patch_size, num_hidden_layers=model_args.vision_layers, **tower
-    )
+    widths = [int(w) for w in model_args.vision_widths.split(",")]
+    depths = [model_args.vision_depth] * len(widths)
+    if model_args.vision_tower == "resnet":  # basic blocks; stem 7x7 stride 2 + max-pool, then stride 2 per stage
+        vision = ResNetConfig(
+            image_size=image_size, embedding_size=widths[0], hidden_sizes=widths, depths=depths, layer_type="basic"
+        )
+    elif model_args.vision_tower == "convnext":  # 4x4 patchify stem, then stride 2 per stage
+        vision = ConvNextConfig(
+            image_size=image_size, num_stages=len(widths), hidden_sizes=widths, depths=depths, drop_path_rate=0.0
+        )
+    else:
+        vision = ViTConfig(
+            image_size=image_size,
+            patch_size=model_args.patch_size,
+            num_hidden_layers=model_args.vision_layers,
+            **tower,
+        )
     text = BertConfig(
         vocab_size=vocab_size,
         num_hidden_layers=model_args.text_layers,

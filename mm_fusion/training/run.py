@@ -36,7 +36,7 @@ def build_trainer(
     """
     task = model_args.task
     tokenizer = processor.tokenizer
-    image_size = model.config.vision_config.image_size
+    image_size = processor.image_processor.size["height"]  # what the processor serves, the cache holds
     prepared = prepare_training_data(data, tokenizer, image_size, task, data_args, training_args)
     train_pairs, eval_pairs = prepared.pairs["train"], prepared.pairs.get("eval")
     train_collator, eval_collator = build_collators(prepared, tokenizer.pad_token_id, task, data_args)

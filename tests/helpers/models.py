@@ -1,7 +1,7 @@
 """Tiny MMFusion configs and inputs built in code (transformers' ModelTester sizes) and the output shapes to expect."""
 
 import torch
-from transformers import BertConfig, ViTConfig
+from transformers import BertConfig, ConvNextConfig, MobileNetV2Config, ResNetConfig, ViTConfig
 
 from mm_fusion import MMFusionConfig
 
@@ -30,6 +30,20 @@ class MMFusionModelTester:
             attention_probs_dropout_prob=0.1,
         )
         return ViTConfig(**{**args, **kwargs})
+
+    def resnet_config(self, **kwargs) -> ResNetConfig:
+        """A backbone tower: stem (8x8 at 30 px), stage1 (8x8, 8 channels), stage2 (4x4, 16 channels)."""
+        args = dict(embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], layer_type="basic")
+        return ResNetConfig(**{**args, **kwargs})
+
+    def convnext_config(self, **kwargs) -> ConvNextConfig:
+        """A backbone tower with norms on its feature maps: 4x4 patchify stem, stages of 8, 16 and 16 channels."""
+        args = dict(num_stages=3, hidden_sizes=[8, 16, 16], depths=[1, 1, 1], image_size=self.image_size)
+        return ConvNextConfig(**{**args, **kwargs})
+
+    def mobilenet_config(self, **kwargs) -> MobileNetV2Config:
+        """A convolutional model without a backbone class: its 16 `hidden_states` maps are the stages."""
+        return MobileNetV2Config(**{**dict(depth_multiplier=0.35, image_size=self.image_size), **kwargs})
 
     def text_config(self, **kwargs) -> BertConfig:
         args = dict(

@@ -1,0 +1,285 @@
+"""
+Vision towers beyond transformer encoders: convolutional backbones whose feature maps become fusion tokens, and a
+convolutional stem in place of a vision transformer's patchify.
+
+A vision tower is one of three types, told apart by its config:
+
+- `"transformer"`: an encoder whose layers share one width (`hidden_size`: ViT, CLIP / SigLIP vision, DeiT...). Its
+  hidden states are the tokens, as before.
+- `"backbone"`: a config transformers builds a backbone for (`AutoBackbone`: ResNet, ConvNeXt, Swin...,
+  `TimmBackbone`). Stage `i` is `config.stage_names[i]` (0 is the stem); the stages fusion reads are set as the
+  backbone's `out_indices`, and its `feature_maps` are read.
+- `"feature_maps"`: any other vision model whose `hidden_states` are `(batch, channels, height, width)` maps
+  (MobileNetV2, EfficientNet...). Stage `i` is `hidden_states[i]`; their number and widths are found by running the
+  model once on the meta device (no memory, no compute).
+
+Feature maps become tokens ([`MMFusionFeatureMapTokens`]): a 1x1 convolution to the fusion width per stage read, and
+2-D positions, fixed sine embeddings added to the tokens and/or (x, y) coordinate channels appended before the
+projection, so that cross-attention can find an object by where it is.
+"""
+
+import copy
+import inspect
+import math
+
+import torch
+from torch import nn
+from transformers import AutoBackbone, AutoModel, PretrainedConfig
+from transformers.models.auto.modeling_auto import MODEL_FOR_BACKBONE_MAPPING, MODEL_MAPPING
+
+
+POSITION_EMBEDDINGS = ("sine", "coordinates", "sine_coordinates", "none")
+
+
+def vision_tower_type(config: PretrainedConfig) -> str:
+    """`"transformer"`, `"backbone"` or `"feature_maps"` (see the module docstring)."""
+    if getattr(config, "hidden_size", None) is not None:
+        return "transformer"
+    try:
+        MODEL_FOR_BACKBONE_MAPPING[type(config)]
+        return "backbone"
+    except (KeyError, ValueError):
+        return "feature_maps"
+
+
+def with_out_indices(config: PretrainedConfig, stages: list[int]) -> PretrainedConfig:
+    """A copy of a backbone config that outputs exactly these stages (sorted, once each)."""
+    config = copy.deepcopy(config)
+    config.out_indices = sorted(set(stages))
+    return config
+
+
+def num_stages(config: PretrainedConfig) -> int:
+    """How many stages a feature-map tower has: stage indices run from 0 to this minus 1."""
+    if vision_tower_type(config) == "backbone":
+        names = getattr(config, "stage_names", None)
+        if not names:
+            raise ValueError(
+                f"The vision backbone config {type(config).__name__} has no `stage_names`; mm_fusion reads its stages "
+                "by index. Pass the config of a transformers backbone (ResNet, ConvNeXt...)."
+            )
+        return len(names)
+    return len(_probe_feature_maps(config))
+
+
+def stage_channels(config: PretrainedConfig, stages: list[int]) -> list[int]:
+    """The channels of each of these stages of a feature-map tower, in the order given."""
+    if vision_tower_type(config) == "backbone":
+        with torch.device("meta"):
+            backbone = AutoBackbone.from_config(with_out_indices(config, stages))
+        by_stage = dict(zip(sorted(set(stages)), backbone.channels))
+        return [by_stage[i] for i in stages]
+    channels = _probe_feature_maps(config)
+    return [channels[i] for i in stages]
+
+
+_PROBED: dict[str, tuple[int, ...]] = {}
+
+
+def _probe_feature_maps(config: PretrainedConfig) -> tuple[int, ...]:
+    """The channels of every `hidden_states` map of a vision model, from one forward pass on the meta device (cached
+    per config)."""
+    key = config.to_json_string()
+    if key not in _PROBED:
+        _PROBED[key] = _probe(config)
+    return _PROBED[key]
+
+
+def _probe(config: PretrainedConfig) -> tuple[int, ...]:
+    with torch.device("meta"):
+        model = build_tower_model(config).eval()  # eval: BatchNorm on a 1-image batch
+    size = getattr(config, "image_size", 224)
+    size = size if isinstance(size, int) else max(size)
+    pixel_values = torch.empty(1, getattr(config, "num_channels", 3), size, size, device="meta")
+    try:
+        hidden_states = model(pixel_values=pixel_values, output_hidden_states=True, return_dict=True).hidden_states
+    except Exception as error:  # the model's own error, named with the config that caused it
+        raise ValueError(
+            f"The vision tower {type(config).__name__} has no `hidden_size` and could not be probed for feature maps "
+            f"({type(error).__name__}: {error})."
+        ) from error
+    if not hidden_states or any(h.dim() != 4 for h in hidden_states):
+        raise ValueError(
+            f"The vision tower {type(config).__name__} has no `hidden_size` and its `hidden_states` are not "
+            "(batch, channels, height, width) feature maps, so mm_fusion cannot read it as tokens. Pass a transformer "
+            "encoder config, a backbone config or a convolutional model config."
+        )
+    return tuple(h.shape[1] for h in hidden_states)
+
+
+def image_token_count(config: PretrainedConfig, stages: list[int] | None, image_size: int) -> int:
+    """
+    How many image tokens the fusion reads per image at this input size: a transformer tower's sequence length, or
+    the cells of the finest grid among a feature-map tower's stages read. From one forward pass on the meta device.
+    """
+    kind = vision_tower_type(config)
+    if kind == "backbone":
+        config = with_out_indices(config, stages)
+    with torch.device("meta"):
+        model = build_tower_model(config).eval()
+    pixel_values = torch.empty(1, getattr(config, "num_channels", 3), image_size, image_size, device="meta")
+    out = model(pixel_values=pixel_values, output_hidden_states=kind == "feature_maps", return_dict=True)
+    if kind == "transformer":
+        hidden = out.last_hidden_state
+        return hidden.shape[1] if hidden.dim() == 3 else hidden.shape[-2] * hidden.shape[-1]
+    maps = out.feature_maps if kind == "backbone" else [out.hidden_states[i] for i in stages]
+    return max(m.shape[-2] * m.shape[-1] for m in maps)
+
+
+def build_tower_model(config: PretrainedConfig) -> nn.Module:
+    """The tower a config builds: `AutoBackbone` for backbone configs, else `AutoModel` without its pooler where the
+    class allows it (mm_fusion pools itself)."""
+    if vision_tower_type(config) == "backbone":
+        return AutoBackbone.from_config(config)
+    try:
+        return AutoModel.from_config(config, add_pooling_layer=False)
+    except TypeError:
+        return AutoModel.from_config(config)
+
+
+def accepts(module: nn.Module, argument: str) -> bool:
+    """Whether a module's forward takes this keyword argument."""
+    parameters = inspect.signature(module.forward).parameters
+    return argument in parameters or any(p.kind is p.VAR_KEYWORD for p in parameters.values())
+
+
+def is_vision_model_config(config: PretrainedConfig) -> bool:
+    """Whether the model a config builds (its backbone or its AutoModel) takes `pixel_values` and no `input_ids`."""
+    for mapping in (MODEL_FOR_BACKBONE_MAPPING, MODEL_MAPPING):
+        try:
+            model_class = mapping[type(config)]
+        except (KeyError, ValueError):
+            continue
+        inputs = inspect.signature(model_class.forward).parameters
+        return "pixel_values" in inputs and "input_ids" not in inputs
+    return False
+
+
+def sine_positions(height: int, width: int, dim: int, temperature: float = 10000.0) -> torch.Tensor:
+    """
+    Fixed 2-D sine / cosine position embeddings of a height x width grid, `(height * width, dim)`, row-major as
+    `flatten(2)` orders feature-map tokens: half the channels encode the row, half the column, each at geometrically
+    spaced frequencies over a normalised [0, 2 pi] coordinate (as DETR's sine embedding does).
+    """
+    if dim % 4:
+        raise ValueError(f"Sine position embeddings need a width divisible by 4, got {dim}.")
+    quarter = dim // 4
+    frequencies = temperature ** (-torch.arange(quarter, dtype=torch.float32) / quarter)  # (dim / 4,)
+    rows = (torch.arange(height, dtype=torch.float32) + 0.5) / height * 2 * math.pi
+    cols = (torch.arange(width, dtype=torch.float32) + 0.5) / width * 2 * math.pi
+    row_angles, col_angles = rows[:, None] * frequencies, cols[:, None] * frequencies  # (H, dim/4), (W, dim/4)
+    row_part = torch.cat([row_angles.sin(), row_angles.cos()], dim=-1)[:, None, :].expand(height, width, dim // 2)
+    col_part = torch.cat([col_angles.sin(), col_angles.cos()], dim=-1)[None, :, :].expand(height, width, dim // 2)
+    return torch.cat([row_part, col_part], dim=-1).reshape(height * width, dim)
+
+
+def coordinate_channels(features: torch.Tensor) -> torch.Tensor:
+    """Two channels holding each cell's (x, y) centre in [-1, 1], for a `(batch, channels, height, width)` map."""
+    batch, _, height, width = features.shape
+    ys = (torch.arange(height, device=features.device, dtype=features.dtype) + 0.5) / height * 2 - 1
+    xs = (torch.arange(width, device=features.device, dtype=features.dtype) + 0.5) / width * 2 - 1
+    grid = torch.stack([xs[None, :].expand(height, width), ys[:, None].expand(height, width)])
+    return grid[None].expand(batch, 2, height, width)
+
+
+class MMFusionFeatureMapTokens(nn.Module):
+    """
+    Feature maps to fusion tokens: per stage read, (x, y) coordinate channels appended (`"coordinates"`), a 1x1
+    convolution to `width`, resized bilinearly to the finest grid among the stages read (hierarchical fusion adds
+    each stage to the same token positions), flattened row-major to `(batch, height * width, width)`, plus fixed sine
+    positions (`"sine"`); `"sine_coordinates"` does both.
+    """
+
+    def __init__(self, channels: list[int], width: int, position_embedding: str):
+        super().__init__()
+        if position_embedding not in POSITION_EMBEDDINGS:
+            raise ValueError(
+                f"Unknown vision_position_embedding {position_embedding!r}; valid values are "
+                f"{', '.join(POSITION_EMBEDDINGS)}."
+            )
+        self.coordinates = position_embedding in ("coordinates", "sine_coordinates")
+        self.sine = position_embedding in ("sine", "sine_coordinates")
+        extra = 2 if self.coordinates else 0
+        self.projections = nn.ModuleList(nn.Conv2d(c + extra, width, kernel_size=1) for c in channels)
+        self.width = width
+
+    def forward(self, feature_maps: list[torch.Tensor]) -> list[torch.Tensor]:
+        grid = max((tuple(f.shape[-2:]) for f in feature_maps), key=lambda size: size[0] * size[1])
+        positions = None
+        if self.sine:
+            positions = sine_positions(*grid, self.width).to(feature_maps[0].device, feature_maps[0].dtype)
+        tokens = []
+        for projection, features in zip(self.projections, feature_maps):
+            if self.coordinates:
+                features = torch.cat([features, coordinate_channels(features)], dim=1)
+            projected = projection(features)
+            if tuple(projected.shape[-2:]) != grid:
+                projected = nn.functional.interpolate(projected, size=grid, mode="bilinear", align_corners=False)
+            sequence = projected.flatten(2).transpose(1, 2)
+            tokens.append(sequence + positions if positions is not None else sequence)
+        return tokens
+
+
+class MMFusionConvStem(nn.Module):
+    """
+    A convolutional stem in place of a vision transformer's patchify: stride-2 3x3 convolutions, each followed by
+    BatchNorm and ReLU, then a convolution of the remaining stride to the tower's width. The same `(batch, width,
+    height / patch_size, width / patch_size)` grid as the patch convolution it replaces, so the tower's position
+    embeddings and everything after them are unchanged ("Early convolutions help transformers see better",
+    arXiv:2106.14881).
+    """
+
+    def __init__(self, in_channels: int, channels: list[int], out_channels: int, patch_size: int):
+        super().__init__()
+        stride = 2 ** len(channels)
+        if not channels or patch_size % stride:
+            raise ValueError(
+                f"vision_conv_stem {channels} has {len(channels)} stride-2 convolutions (stride {stride}), which "
+                f"must divide the tower's patch_size {patch_size}."
+            )
+        layers = []
+        for width in channels:
+            layers.append(
+                nn.Sequential(
+                    nn.Conv2d(in_channels, width, kernel_size=3, stride=2, padding=1, bias=False),
+                    nn.BatchNorm2d(width),
+                    nn.ReLU(inplace=True),
+                )
+            )
+            in_channels = width
+        self.layers = nn.Sequential(*layers)
+        rest = patch_size // stride
+        self.projection = nn.Conv2d(in_channels, out_channels, kernel_size=rest, stride=rest)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The last convolution's weight: towers read their patch convolution's `weight.dtype` to cast the pixels."""
+        return self.projection.weight
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        return self.projection(self.layers(pixel_values))
+
+
+def install_conv_stem(tower: nn.Module, config: PretrainedConfig, channels: list[int]) -> None:
+    """Replace the tower's patch-embedding convolution (kernel and stride `patch_size`, from the image channels)
+    with an [`MMFusionConvStem`]."""
+    patch = getattr(config, "patch_size", None)
+    patch = patch if isinstance(patch, int) or patch is None else patch[0]
+    in_channels = getattr(config, "num_channels", 3)
+    found = [
+        (name, module)
+        for name, module in tower.named_modules()
+        if isinstance(module, nn.Conv2d)
+        and module.in_channels == in_channels
+        and module.kernel_size == (patch, patch)
+        and module.stride == (patch, patch)
+    ]
+    if patch is None or len(found) != 1:
+        raise ValueError(
+            f"vision_conv_stem replaces the patch-embedding convolution of a vision transformer tower, but "
+            f"{type(tower).__name__} has {len(found)} convolutions with kernel and stride patch_size={patch}."
+        )
+    name, patchify = found[0]
+    parent = tower.get_submodule(name.rpartition(".")[0]) if "." in name else tower
+    stem = MMFusionConvStem(in_channels, list(channels), patchify.out_channels, patch)
+    setattr(parent, name.rpartition(".")[2], stem)
