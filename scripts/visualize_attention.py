@@ -1,4 +1,5 @@
-"""Where a question looks: its cross-attention over the image patches, as a heat map on the image, per fusion layer.
+"""Where a question looks: its cross-attention over the image patches (or feature-map cells), as a heat map on the
+image, per fusion layer.
 
     python scripts/visualize_attention.py --model outputs/easy_vqa --image shape.png \
         --question "what shape is in the image?" --output attention.png
@@ -9,6 +10,7 @@ token with `--token`), giving one weight per image patch (a leading [CLS]-like t
 out and its share reported). The PNG shows the image as the model saw it, then one panel per fusion layer.
 """
 
+import math
 import sys
 from dataclasses import dataclass, field
 
@@ -38,16 +40,17 @@ def attention_maps(model, batch, token: int | None = None) -> tuple[list[np.ndar
             f"This model ({model.config.fusion_type} fusion) has no text-to-image attention to show; "
             "late fusion pools each modality alone."
         )
-    vision = model.config.vision_config
-    grid = vision.image_size // vision.patch_size
     mask = batch["attention_mask"][0].bool()
     maps, extra = [], []
     for probabilities in layers:  # (1, heads, text length, image tokens)
         per_token = probabilities[0].float().mean(0)  # (text length, image tokens)
         weights = per_token[mask].mean(0) if token is None else per_token[token]
-        leading = weights.shape[0] - grid * grid
-        if leading not in (0, 1):
-            raise ValueError(f"Expected {grid}x{grid} patches (+1), got {weights.shape[0]} image tokens.")
+        # A square grid of patches or feature-map cells, after a leading CLS-like token if the tower has one.
+        count = weights.shape[0]
+        leading = 0 if math.isqrt(count) ** 2 == count else 1
+        grid = math.isqrt(count - leading)
+        if grid * grid + leading != count:
+            raise ValueError(f"Expected a square grid of image tokens (+1), got {count} image tokens.")
         extra.append(float(weights[:leading].sum()))
         maps.append(weights[leading:].reshape(grid, grid).numpy())
     return maps, extra, outputs.logits

@@ -312,3 +312,41 @@ def test_imagenet_mobilenet_v2_gives_torchvision_features_and_composes_with_mini
     reloaded = MMFusionForImageTextClassification.from_pretrained(tmp_path / "composed").eval()
     with torch.no_grad():
         torch.testing.assert_close(reloaded(**inputs).logits, model(**inputs).logits, rtol=0, atol=0)
+
+
+def test_resnet_tower_run_serves_through_the_pipeline_and_draws_attention(tmp_path):
+    """A run with a ResNet tower: the VQA pipeline of the saved model gives the run's own predictions, and
+    scripts/visualize_attention.py draws the question's attention over the feature-map cells."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from PIL import Image
+    from transformers import AutoProcessor, pipeline
+
+    from mm_fusion.data import load_easy_vqa
+    from mm_fusion.training import setup_run, train_and_save
+
+    out = tmp_path / "run"
+    flags = ["--vision_tower", "resnet", "--vision_widths", "8,16", "--max_steps", "3", "--max_eval_samples", "12"]
+    trainer = setup_run(["--output_dir", str(out), *TINY, *flags])
+    train_and_save(trainer)
+    predicted = trainer.predict(trainer.eval_dataset).predictions
+    expected = dict(zip(trainer.eval_dataset["id"], (trainer.model.config.id2label[int(p)] for p in predicted)))
+    rows = [dict(row) for row in load_easy_vqa(["test"])["test"].select(range(12))]
+    answers = pipeline("image-text-classification", model=str(out))(
+        image=[r["image"] for r in rows], question=[r["question"] for r in rows]
+    )
+    assert [a[0]["answer"] for a in answers] == [expected[r["id"]] for r in rows]
+
+    png = tmp_path / "attention.png"
+    script = Path(__file__).resolve().parents[1] / "scripts" / "visualize_attention.py"
+    args = ["--model", str(out), "--image", rows[0]["image"], "--question", rows[0]["question"], "--output", str(png)]
+    done = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert Image.open(png).size[0] > 300
+    model = MMFusionForImageTextClassification.from_pretrained(out, attn_implementation="eager").eval()
+    batch = AutoProcessor.from_pretrained(out)(images=[rows[0]["image"]], text=[rows[0]["question"]])
+    with torch.no_grad():
+        (layer,) = model(**batch, output_attentions=True).text_to_image_attentions
+    assert layer.shape[-1] == 4 * 4  # 32 px images: ResNet stage2 (stride 8) gives 4 x 4 cells, no class token

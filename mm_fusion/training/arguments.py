@@ -79,12 +79,12 @@ class ModelArguments:
         },
     )
     vision_tower: str = field(
-        default="vit",
+        default="resnet",
         metadata={
-            "help": "The vision tower built from scratch: vit (a ViT of --vision_layers layers, --patch_size patches; "
-            "`--config_overrides vision_conv_stem=[32,64]` puts a convolutional stem in place of its patchify), "
-            "resnet or convnext (a backbone of --vision_widths stages, its feature maps projected to tokens with "
-            "positions: `vision_position_embedding` in --config_overrides)."
+            "help": "The vision tower built from scratch: resnet or convnext (a backbone of --vision_widths stages, "
+            "its feature maps projected to tokens with positions: `vision_position_embedding` in "
+            "--config_overrides), or vit (a ViT of --vision_layers layers, --patch_size patches; "
+            "`--config_overrides vision_conv_stem=[32,64]` puts a convolutional stem in place of its patchify)."
         },
     )
     vision_widths: str = field(

@@ -418,7 +418,7 @@ def plan_trials(args: BenchmarkArguments, rec: dict, vocab_size: int, labels: li
     from mm_fusion.training import ModelArguments
 
     common = {"vocab_size": vocab_size, "labels": labels, "seed": args.seed}
-    patch_size = ModelArguments().patch_size
+    patch_size = ModelArguments(vision_tower="vit").patch_size
     steps = {
         (size, length): _count(
             args.steps,

@@ -76,7 +76,7 @@ def recipe_config(itm_loss_weight: float | None = None):
     """The default recipe's pretraining config (64 px images, text positions for `DataArguments().max_length`)."""
     from mm_fusion.training import DataArguments, ModelArguments, build_config
 
-    model_args = ModelArguments(task="pretrain")
+    model_args = ModelArguments(task="pretrain", vision_tower="vit")  # the ViT tower its results were measured on
     if itm_loss_weight is not None:
         model_args.itm_loss_weight = itm_loss_weight
     return build_config(model_args, 64, model_args.vocab_size, DataArguments().max_length, None)

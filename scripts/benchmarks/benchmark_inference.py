@@ -59,7 +59,7 @@ def default_models(directory: Path) -> tuple[str, str]:
         ("vqa", answers, mm_fusion.MMFusionForImageTextClassification),
         ("pretrain", None, mm_fusion.MMFusionForPretraining),
     ]:
-        config = build_config(ModelArguments(), 64, len(tokenizer), 64, labels)
+        config = build_config(ModelArguments(vision_tower="vit"), 64, len(tokenizer), 64, labels)  # as measured
         if labels is not None:
             config.problem_type = "single_label_classification"
         cls(config).save_pretrained(directory / name)

@@ -116,7 +116,8 @@ def build_fusion_config(size: int, vocab_size: int, max_length: int, labels: lis
     """`MMFusionConfig` of the recipe's model (what `build_trainer` builds) at this size, BERT with `max_length`."""
     from mm_fusion.training import ModelArguments, build_config
 
-    model_args = ModelArguments() if patch_size is None else ModelArguments(patch_size=patch_size)
+    # The ViT tower these equal-size comparisons were built around (the default tower is a ResNet since issue 21).
+    model_args = ModelArguments(vision_tower="vit", **({} if patch_size is None else {"patch_size": patch_size}))
     return build_config(model_args, size, vocab_size, max_length, labels)
 
 
@@ -426,6 +427,7 @@ def train_mm_fusion(size, rec, tokenizer_dir, total_steps, timer, evaluate, eval
     argv = ["--output_dir", out, "--image_size", str(size), "--max_steps", str(total_steps)]
     argv += ["--tokenizer_name_or_path", tokenizer_dir, "--max_eval_samples", str(eval_questions)]
     argv += ["--eval_strategy", "no", "--save_strategy", "no", "--report_to", "none", "--disable_tqdm", "True"]
+    argv += ["--vision_tower", "vit"]  # as build_fusion_config
     if patch_size is not None:
         argv += ["--patch_size", str(patch_size)]
     if torch.cuda.is_available():

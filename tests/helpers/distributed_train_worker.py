@@ -29,6 +29,7 @@ def tiny_run_args(output_dir: str, task: str, batch_size: int) -> list[str]:
         "--per_device_eval_batch_size", "4",
         "--num_train_epochs", "2",
         "--train_sampling_strategy", "sequential",
+        "--vision_tower", "vit",  # no BatchNorm: each rank's statistics would differ from one process's
         "--image_size", "32",
         "--patch_size", "16",
         "--hidden_size", "32",

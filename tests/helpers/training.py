@@ -6,10 +6,12 @@ import torch
 from mm_fusion.training import setup_run, train_and_save
 
 
-# A model of a few thousand parameters on 32 px images: a run of a few dozen pairs takes seconds.
+# A model of a few thousand parameters on 32 px images (a ViT tower; tests/test_vision_towers.py runs the others): a
+# run of a few dozen pairs takes seconds.
 TINY_MODEL = [
-    "--image_size", "32", "--patch_size", "16", "--hidden_size", "32", "--num_attention_heads", "2",
-    "--vision_layers", "1", "--text_layers", "1", "--fusion_layers", "1", "--disable_tqdm", "True",
+    "--vision_tower", "vit", "--image_size", "32", "--patch_size", "16", "--hidden_size", "32",
+    "--num_attention_heads", "2", "--vision_layers", "1", "--text_layers", "1", "--fusion_layers", "1",
+    "--disable_tqdm", "True",
 ]  # fmt: skip
 TINY = [
     *TINY_MODEL,
