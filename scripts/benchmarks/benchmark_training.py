@@ -38,21 +38,21 @@ RUNS = {
     "text_only": [*SHORT, "--ablation", "text_only"],
     "bidirectional": [*SHORT, "--fusion_direction", "bidirectional"],
     "default_vit": ["--vision_tower", "vit"],
-    "full_resnet": ["scripts/configs/easy_vqa_full.yaml", "--vision_tower", "resnet", "--num_train_epochs", "10"],
+    "full_vit": ["scripts/configs/easy_vqa_full.yaml", "--vision_tower", "vit", "--num_train_epochs", "14"],
 }
 DESCRIPTIONS = {
     "default": "no arguments: a ResNet tower (stages of 24, 48, 96 channels, sine positions), hierarchical fusion, "
     "text-to-image attention, 6 epochs",
-    "full": "scripts/configs/easy_vqa_full.yaml: the ViT model (4 layers, patch 8), 14 epochs",
+    "full": "scripts/configs/easy_vqa_full.yaml: the default model (ResNet tower), 10 epochs",
     "default_late": "the default with late fusion (dual encoder, no cross-attention), 6 epochs",
-    "full_late": "the full config with late fusion, 14 epochs",
+    "full_late": "the full config with late fusion, 10 epochs",
     "short": "3 epochs (the ablations' baseline)",
     "late": "3 epochs, late fusion (dual encoder, no cross-attention)",
     "image_only": "3 epochs, texts blanked to [CLS] [SEP]",
     "text_only": "3 epochs, images blanked to black",
     "bidirectional": "3 epochs, co-attention in both directions",
     "default_vit": "the default with the ViT tower of the earlier default (4 layers, patch 8), 6 epochs",
-    "full_resnet": "the full config with the default's ResNet tower, 10 epochs",
+    "full_vit": "scripts/configs/easy_vqa_full.yaml with the ViT tower, 14 epochs",
 }
 
 
