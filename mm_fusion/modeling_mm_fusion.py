@@ -795,6 +795,7 @@ class MMFusionModel(MMFusionPreTrainedModel):
             install_conv_stem(self.vision_model, config.vision_config, config.vision_conv_stem)
         # A backbone / convolutional tower's feature maps become tokens of the fusion width.
         self.feature_map_tokens = None
+        self._vision_takes_attentions = accepts(self.vision_model, "output_attentions")
         if config.vision_tower_type != "transformer":
             channels = stage_channels(config.vision_config, config.vision_stages)
             self.feature_map_tokens = MMFusionFeatureMapTokens(
@@ -802,10 +803,10 @@ class MMFusionModel(MMFusionPreTrainedModel):
             )
         self.is_late = config.fusion_type == "late"
         self.encoder = None if self.is_late else MMFusionEncoder(config)
+        # image_pooling="flatten" concatenates every token, in order: their number, found once (on the meta device).
+        self._num_image_tokens = config.num_image_tokens if config.image_pooling == "flatten" else None
         if add_projection_layers or self.is_late:
-            image_width = config.vision_hidden_size
-            if config.image_pooling == "flatten":  # every token, in order
-                image_width *= config.num_image_tokens
+            image_width = config.vision_hidden_size * (self._num_image_tokens or 1)
             self.visual_projection = nn.Linear(image_width, config.projection_dim, bias=False)
             self.text_projection = nn.Linear(config.text_config.hidden_size, config.projection_dim, bias=False)
         else:
@@ -866,7 +867,7 @@ class MMFusionModel(MMFusionPreTrainedModel):
             if hierarchical:
                 return vision_out, self._bridge_features(vision_out, self.config.vision_bridge_layers)
             return vision_out, [_sequence(vision_out.last_hidden_state)]
-        kwargs = {"output_attentions": output_attentions} if accepts(self.vision_model, "output_attentions") else {}
+        kwargs = {"output_attentions": output_attentions} if self._vision_takes_attentions else {}
         # A backbone returns the maps of its `out_indices` (the stages read); another model all its hidden states.
         vision_out = self.vision_model(
             pixel_values=pixel_values,
@@ -1210,9 +1211,9 @@ class MMFusionModel(MMFusionPreTrainedModel):
         """Pool image tokens `(M, P, config.vision_hidden_size)` by `config.image_pooling` and project them (when the
         projections are built)."""
         if self.config.image_pooling == "flatten":
-            if tokens.shape[1] != self.config.num_image_tokens:
+            if tokens.shape[1] != self._num_image_tokens:
                 raise ValueError(
-                    f"image_pooling='flatten' reads {self.config.num_image_tokens} image tokens (images of "
+                    f"image_pooling='flatten' reads {self._num_image_tokens} image tokens (images of "
                     f"{self.config.vision_config.image_size} px), but these images give {tokens.shape[1]}: resize "
                     "them to the size the model was built for (its processor does)."
                 )

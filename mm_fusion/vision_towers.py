@@ -202,12 +202,17 @@ class MMFusionFeatureMapTokens(nn.Module):
         extra = 2 if self.coordinates else 0
         self.projections = nn.ModuleList(nn.Conv2d(c + extra, width, kernel_size=1) for c in channels)
         self.width = width
+        self._positions: dict[tuple, torch.Tensor] = {}  # per grid, device and dtype: computed once
+
+    def _sine_positions(self, grid: tuple[int, int], like: torch.Tensor) -> torch.Tensor:
+        key = (grid, like.device, like.dtype)
+        if key not in self._positions:
+            self._positions[key] = sine_positions(*grid, self.width).to(like.device, like.dtype)
+        return self._positions[key]
 
     def forward(self, feature_maps: list[torch.Tensor]) -> list[torch.Tensor]:
         grid = max((tuple(f.shape[-2:]) for f in feature_maps), key=lambda size: size[0] * size[1])
-        positions = None
-        if self.sine:
-            positions = sine_positions(*grid, self.width).to(feature_maps[0].device, feature_maps[0].dtype)
+        positions = self._sine_positions(grid, feature_maps[0]) if self.sine else None
         tokens = []
         for projection, features in zip(self.projections, feature_maps):
             if self.coordinates:
