@@ -796,8 +796,10 @@ class MMFusionModel(MMFusionPreTrainedModel):
         # A backbone / convolutional tower's feature maps become tokens of the fusion width.
         self.feature_map_tokens = None
         self._vision_takes_attentions = accepts(self.vision_model, "output_attentions")
-        if config.vision_tower_type != "transformer":
-            channels = stage_channels(config.vision_config, config.vision_stages)
+        # Derived from the vision config (a feature-map tower's stages by probing it): found once, not per forward.
+        self._vision_tower_type, self._vision_stages = config.vision_tower_type, config.vision_stages
+        if self._vision_tower_type != "transformer":
+            channels = stage_channels(config.vision_config, self._vision_stages)
             self.feature_map_tokens = MMFusionFeatureMapTokens(
                 channels, config.vision_hidden_size, config.vision_position_embedding
             )
@@ -856,7 +858,7 @@ class MMFusionModel(MMFusionPreTrainedModel):
         """
         hierarchical = self.config.fusion_type == "hierarchical"
         pixel_values = self.normalize_pixels(pixel_values)
-        kind = self.config.vision_tower_type
+        kind = self._vision_tower_type
         if kind == "transformer":
             vision_out = self.vision_model(
                 pixel_values=pixel_values,
@@ -879,8 +881,8 @@ class MMFusionModel(MMFusionPreTrainedModel):
 
     def _stage_maps(self, vision_out: ModelOutput) -> list[torch.Tensor]:
         """A backbone / convolutional tower's feature maps at `config.vision_stages`, in that order."""
-        stages = self.config.vision_stages
-        if self.config.vision_tower_type == "backbone":  # `feature_maps` are the stages read, sorted, once each
+        stages = self._vision_stages
+        if self._vision_tower_type == "backbone":  # `feature_maps` are the stages read, sorted, once each
             by_stage = dict(zip(sorted(set(stages)), vision_out.feature_maps))
             return [by_stage[i] for i in stages]
         return [vision_out.hidden_states[i] for i in stages]
@@ -913,7 +915,7 @@ class MMFusionModel(MMFusionPreTrainedModel):
         return MMFusionEncodingOutput(
             image_embeds=(
                 self.embed_image(vision_out)
-                if self.config.vision_tower_type == "transformer"
+                if self._vision_tower_type == "transformer"
                 else self._embed_image_tokens(image_features[-1])
             ),
             text_embeds=self.embed_text(text_out, attention_mask),
@@ -1140,7 +1142,7 @@ class MMFusionModel(MMFusionPreTrainedModel):
         if pixel_values is None:
             raise ValueError("get_image_features needs `pixel_values`.")
         output_attentions, output_hidden_states = self._output_flags(output_attentions, output_hidden_states)
-        if self.config.vision_tower_type == "transformer":
+        if self._vision_tower_type == "transformer":
             vision_out = self.vision_model(
                 pixel_values=self.normalize_pixels(pixel_values),
                 output_attentions=output_attentions,
