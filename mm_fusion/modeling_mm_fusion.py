@@ -594,12 +594,6 @@ class MMFusionMLPHead(nn.Module):
         return self.out(self.dropout(self.norm(self.act(self.dense(x)))))
 
 
-def _build_tower(config) -> PreTrainedModel:
-    """The model for a tower config (`AutoBackbone` for a vision backbone, else `AutoModel`), without a pooler where
-    the class allows it (we pool ourselves)."""
-    return build_tower_model(config)
-
-
 class MMFusionPreTrainedModel(PreTrainedModel):
     """Weight initialisation and capability flags shared by every MMFusion model."""
 
@@ -786,8 +780,8 @@ class MMFusionModel(MMFusionPreTrainedModel):
 
     def __init__(self, config: MMFusionConfig, add_projection_layers: bool = True):
         super().__init__(config)
-        self.vision_model = _build_tower(config.vision_config)
-        self.text_model = _build_tower(config.text_config)
+        self.vision_model = build_tower_model(config.vision_config)
+        self.text_model = build_tower_model(config.text_config)
         # Share the sub-config objects so that changes through either path are seen by both.
         self.vision_model.config = config.vision_config
         self.text_model.config = config.text_config
