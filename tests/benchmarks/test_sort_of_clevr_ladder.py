@@ -1,0 +1,60 @@
+"""scripts/benchmarks/sort_of_clevr_ladder.py: its questions, its accuracy count, and a tiny run of every contender."""
+
+import json
+
+import sort_of_clevr_ladder as ladder  # scripts/benchmarks is on sys.path (conftest.py)
+import torch
+
+from mm_fusion.data.sort_of_clevr import answer_question, generate_scenes
+
+
+def scenes(n: int):
+    return generate_scenes(
+        num_train_images=n, num_test_images=0, num_objects=6, image_size=64, object_size=10, min_distance_gap=2.0,
+        seed=3,
+    )["train"]  # fmt: skip
+
+
+def test_split_asks_every_colour_and_family_with_the_generator_answers():
+    drawn = scenes(2)
+    split = ladder.build_split(drawn)
+    assert split["images"].shape == (2, 3, 64, 64) and 0 <= split["images"].min() and split["images"].max() <= 1
+    assert len(split["answer"]) == 2 * 6 * 6
+    for row in (0, 17, 71):
+        image, colour, family = (int(split[k][row]) for k in ("image", "colour", "family"))
+        expected = answer_question(drawn[image], ladder.FAMILIES[family], ladder.COLOUR_NAMES[colour], 64)
+        assert ladder.ANSWERS[int(split["answer"][row])] == expected
+    question = ladder.one_hot_question(split["colour"][:3], split["family"][:3])
+    assert question.shape == (3, 12) and question.sum(1).tolist() == [2.0, 2.0, 2.0]
+
+
+class AlwaysYes(torch.nn.Module):
+    def forward(self, images, question):
+        logits = torch.zeros(len(question), len(ladder.ANSWERS))
+        logits[:, ladder.ANSWERS.index("yes")] = 1.0
+        return logits
+
+
+def test_evaluate_counts_per_family():
+    drawn = scenes(5)
+    split = ladder.build_split(drawn)
+    result = ladder.evaluate(AlwaysYes(), split)
+    left = [answer_question(s, "horizontal", c, 64) == "yes" for s in drawn for c in ladder.COLOUR_NAMES]
+    assert result["horizontal"] == round(sum(left) / len(left), 4)
+    assert result["shape"] == result["closest"] == result["count"] == 0.0
+    assert result["non_relational"] == round((result["horizontal"] + result["vertical"]) / 3, 4)
+
+
+def test_tiny_run_of_every_variant_and_merge(tmp_path):
+    first, second = tmp_path / "a", tmp_path / "b"
+    common = ["--steps", "2", "--eval_every", "1", "--train_images", "4", "--test_images", "2"]
+    ladder.main(["--variants", *ladder.VARIANTS[:5], "--output", str(first), *common])
+    ladder.main(["--variants", *ladder.VARIANTS[5:], "--output", str(second), *common])
+    merged = ladder.main(["--merge", f"{first}.json", f"{second}.json", "--output", str(tmp_path / "all")])
+    assert [r["variant"] for r in merged["runs"]] == list(ladder.VARIANTS)
+    for run in merged["runs"]:
+        assert [e["step"] for e in run["evaluations"]] == [1, 2]
+        assert 0.0 <= run["evaluations"][-1]["relational"] <= 1.0
+    assert json.loads((tmp_path / "all.json").read_text())["runs"] == merged["runs"]
+    table = (tmp_path / "all.md").read_text()
+    assert all(f"| {name} | 2 |" in table for name in ladder.VARIANTS)
