@@ -311,7 +311,15 @@ def main(argv=None) -> dict:
     parser.add_argument("--merge", nargs="+", default=[], help="Only combine these reports (JSON) into --output.")
     parser.add_argument("--output", default=str(RESULTS / "sort_of_clevr_ladder_runs"), help="Without a suffix.")
     args = parser.parse_args(argv)
+    threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
+    try:
+        return run(args)
+    finally:  # called in-process (tests), the caller's thread pool is left as it was
+        torch.set_num_threads(threads)
+
+
+def run(args) -> dict:
     done = {}
     for part in args.merge:  # reports of variants run by separate commands (e.g. two at a time)
         done.update({r["variant"]: r for r in json.loads(Path(part).read_text())["runs"]})

@@ -46,6 +46,7 @@ def test_evaluate_counts_per_family():
 
 
 def test_tiny_run_of_every_variant_and_merge(tmp_path):
+    threads = torch.get_num_threads()
     first, second = tmp_path / "a", tmp_path / "b"
     common = ["--steps", "2", "--eval_every", "1", "--train_images", "4", "--test_images", "2"]
     ladder.main(["--variants", *ladder.VARIANTS[:5], "--output", str(first), *common])
@@ -58,3 +59,4 @@ def test_tiny_run_of_every_variant_and_merge(tmp_path):
     assert json.loads((tmp_path / "all.json").read_text())["runs"] == merged["runs"]
     table = (tmp_path / "all.md").read_text()
     assert all(f"| {name} | 2 |" in table for name in ladder.VARIANTS)
+    assert torch.get_num_threads() == threads  # --threads applies to the run only
