@@ -98,6 +98,18 @@ def coordinates(batch: int, height: int, width: int) -> torch.Tensor:
     return torch.stack([xs, ys]).expand(batch, -1, -1, -1)
 
 
+def resnet_backbone(stage: int) -> nn.Module:
+    """mm_fusion's default ResNet tower (`scripts/train.py --vision_tower resnet`: basic blocks, stages of 24 / 48 / 96
+    channels on 16 x 16, 8 x 8, 4 x 4 cells at 64 px), returning the feature map of `stage`."""
+    from transformers import AutoBackbone, ResNetConfig
+
+    config = ResNetConfig(
+        image_size=IMAGE_SIZE, embedding_size=24, hidden_sizes=[24, 48, 96], depths=[1, 1, 1], layer_type="basic",
+        out_indices=[stage],
+    )  # fmt: skip
+    return AutoBackbone.from_config(config)
+
+
 def conv_stack(layers: int, extra_channels: int = 0) -> nn.ModuleList:
     return nn.ModuleList(
         nn.Conv2d((3 if k == 0 else 24) + extra_channels, 24, 3, stride=2, padding=1) for k in range(layers)
@@ -141,14 +153,8 @@ class FiLMResNet(nn.Module):
 
     def __init__(self):
         super().__init__()
-        from transformers import AutoBackbone, ResNetConfig
-
-        config = ResNetConfig(
-            image_size=IMAGE_SIZE, embedding_size=24, hidden_sizes=[24, 48, 96], depths=[1, 1, 1],
-            layer_type="basic", out_indices=[3],
-        )  # fmt: skip
-        self.backbone = AutoBackbone.from_config(config)
-        self.film = nn.ModuleList(nn.Linear(12, 2 * c) for c in config.hidden_sizes)
+        self.backbone = resnet_backbone(3)
+        self.film = nn.ModuleList(nn.Linear(12, 2 * c) for c in self.backbone.config.hidden_sizes)
         for stage, film in zip(self.backbone.encoder.stages, self.film):
             stage.register_forward_hook(lambda module, args, out, film=film: self._modulate(out, film))
         self.mlp = nn.Sequential(
@@ -174,14 +180,8 @@ class AttentionRead(nn.Module):
                 nn.BatchNorm2d(24), nn.ReLU(),
             )  # fmt: skip
             channels = 24
-        else:  # mm_fusion's default ResNet (scripts/train.py --vision_tower resnet), its stage 1: 16 x 16 cells
-            from transformers import AutoBackbone, ResNetConfig
-
-            config = ResNetConfig(
-                image_size=IMAGE_SIZE, embedding_size=24, hidden_sizes=[24, 48, 96], depths=[1, 1, 1],
-                layer_type="basic", out_indices=[1],
-            )  # fmt: skip
-            backbone = AutoBackbone.from_config(config)
+        else:  # mm_fusion's default ResNet, its stage 1: 16 x 16 cells
+            backbone = resnet_backbone(1)
             self.tower = lambda images: backbone(images).feature_maps[0]
             self.backbone, channels = backbone, 24
         self.positions = positions
@@ -229,8 +229,8 @@ class MMFusion(nn.Module):
         return self.model(pixel_values=(images - self.mean) / self.std, input_ids=ids).logits
 
 
-def build_variant(name: str) -> tuple[nn.Module, str]:
-    """The model and its optimiser's name."""
+def build_variant(name: str) -> nn.Module:
+    """A new model of the contender `name` (see the module doc)."""
     models = {
         "cnn_mlp": lambda: CNNMLP(),
         "film": lambda: FiLM(),
