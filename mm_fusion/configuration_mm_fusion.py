@@ -176,6 +176,12 @@ class MMFusionConfig(PretrainedConfig):
             Widths of stride-2 3x3 convolutions (each with BatchNorm and ReLU) that replace the patch-embedding
             convolution of a transformer vision tower, followed by a convolution of the remaining stride to its width:
             `[32, 64, 128]` with `patch_size=8` gives the same 8x8-pixel tokens from a convolutional stem.
+        vision_film (`bool`, *optional*, defaults to `False`):
+            Condition a backbone / convolutional vision tower on the text (FiLM, arXiv:1709.07871): the output of every
+            stage after the stem is scaled and shifted per channel by a linear map of the pooled text (initialised to
+            zero, so training starts from the unconditioned tower). The tower then runs once per image-text pair
+            instead of once per image, and an image has no features without a text, so the contrastive / matching
+            head ([`MMFusionForPretraining`]) and `get_image_features` are not available.
         image_mean (`list[float]`, *optional*, defaults to the ImageNet mean):
             Per-channel mean used when `pixel_values` arrive as uint8 in [0, 255] (as the data collator delivers
             them): the model then normalises them itself, on its device. Set it to the vision tower's own values
@@ -230,6 +236,7 @@ class MMFusionConfig(PretrainedConfig):
         image_std: list[float] | None = None,
         vision_position_embedding: str = "sine",
         vision_conv_stem: list[int] | None = None,
+        vision_film: bool = False,
         **kwargs,
     ):
         if fusion_type not in FUSION_TYPES:
@@ -270,6 +277,12 @@ class MMFusionConfig(PretrainedConfig):
         self._check_vision_tokens(vision_position_embedding, vision_conv_stem, pooling_mode, image_pooling)
         self.vision_position_embedding = vision_position_embedding
         self.vision_conv_stem = [int(c) for c in vision_conv_stem] if vision_conv_stem else None
+        if vision_film and self.vision_tower_type == "transformer":
+            raise ValueError(
+                f"vision_film scales and shifts the stages of a backbone / convolutional vision tower; the "
+                f"{type(self.vision_config).__name__} tower is a transformer encoder."
+            )
+        self.vision_film = bool(vision_film)
         if self.vision_tower_type == "backbone":  # the backbone outputs exactly the stages fusion reads
             self.vision_config = with_out_indices(self.vision_config, self.vision_stages)
         self.fusion_dropout = fusion_dropout

@@ -18,7 +18,17 @@ from transformers.utils import ModelOutput, can_return_tuple
 
 from .configuration_mm_fusion import MMFusionConfig
 from .distributed import all_gather_with_grad, broadcast_seed, gather_sizes, world
-from .vision_towers import MMFusionFeatureMapTokens, accepts, build_tower_model, install_conv_stem, stage_channels
+from .vision_towers import (
+    MMFusionFeatureMapTokens,
+    MMFusionFiLMLinear,
+    MMFusionVisionFiLM,
+    accepts,
+    build_tower_model,
+    film_stages,
+    install_conv_stem,
+    num_stages,
+    stage_channels,
+)
 
 
 # The hidden states and attention probabilities every MMFusion output can carry: the towers' and the fusion layers'.
@@ -67,7 +77,8 @@ class MMFusionModelOutput(ModelOutput):
         vision_hidden_states (`tuple(torch.FloatTensor)`, one per vision tower layer + 1):
             The vision tower's hidden states, each of shape `(num_images, P, vision_config.hidden_size)`: one row
             per row of `pixel_values` (an image shared through `image_index` is encoded once). For a backbone /
-            convolutional tower, its own `(num_images, channels, height, width)` maps.
+            convolutional tower, its own `(num_images, channels, height, width)` maps; with `config.vision_film`, one
+            per text (`B`), each image modulated by its text.
         fusion_text_hidden_states (`tuple(torch.FloatTensor)`, `num_fusion_layers + 1` of them):
             The text stream of the fusion block, each of shape `(B, T, D)`: the input of the first fusion layer, then
             the output of each fusion layer (before the final LayerNorm that gives `text_hidden_state`).
@@ -647,7 +658,8 @@ class MMFusionPreTrainedModel(PreTrainedModel):
         mask = input_dict.get("attention_mask")
         tokens = int(mask.sum()) if mask is not None else input_ids.numel()
         pairs = input_ids.shape[0]
-        return 6 * (vision * pixel_values.shape[0] * patches + text * tokens + rest * (tokens + pairs * patches))
+        images = pairs if getattr(self.config, "vision_film", False) else pixel_values.shape[0]  # FiLM: one per text
+        return 6 * (vision * images * patches + text * tokens + rest * (tokens + pairs * patches))
 
     def _flop_parameter_counts(self, exclude_embeddings: bool) -> tuple[int, int, int]:
         """Parameters of the vision tower, the text tower and the rest; counted once per model size (Trainer asks
@@ -667,7 +679,11 @@ class MMFusionPreTrainedModel(PreTrainedModel):
     def _init_weights(self, module: nn.Module):
         # The towers are PreTrainedModels and get their own `_init_weights`; this sees the fusion block and heads.
         std = self.config.initializer_range
-        if isinstance(module, nn.Linear):
+        if isinstance(module, MMFusionFiLMLinear):  # FiLM starts as the identity: the unconditioned tower
+            init.zeros_(module.weight)
+            if module.bias is not None:
+                init.zeros_(module.bias)
+        elif isinstance(module, nn.Linear):
             init.normal_(module.weight, mean=0.0, std=std)
             if module.bias is not None:
                 init.zeros_(module.bias)
@@ -797,6 +813,17 @@ class MMFusionModel(MMFusionPreTrainedModel):
             self.feature_map_tokens = MMFusionFeatureMapTokens(
                 channels, config.vision_hidden_size, config.vision_position_embedding
             )
+        # FiLM: the text scales and shifts every stage of a backbone / convolutional tower (one tower run per pair).
+        self.vision_film = None
+        if getattr(config, "vision_film", False):
+            count = num_stages(config.vision_config)
+            stages = list(range(1, count)) if self._vision_tower_type == "backbone" else list(range(count))
+            self.vision_film = MMFusionVisionFiLM(
+                film_stages(self.vision_model, config.vision_config),
+                stage_channels(config.vision_config, stages),
+                config.text_config.hidden_size,
+                coordinates=getattr(config, "vision_film_coordinates", False),
+            )
         self.is_late = config.fusion_type == "late"
         self.encoder = None if self.is_late else MMFusionEncoder(config)
         # image_pooling="flatten" concatenates every token, in order: their number, found once (on the meta device).
@@ -821,10 +848,16 @@ class MMFusionModel(MMFusionPreTrainedModel):
         token_type_ids: torch.Tensor | None = None,
         output_attentions: bool = False,
         output_hidden_states: bool = False,
+        image_index: torch.Tensor | None = None,
     ) -> tuple[ModelOutput, ModelOutput, list[torch.Tensor], list[torch.Tensor]]:
-        """Run both towers once; returns their outputs and the feature lists the fusion block reads."""
+        """
+        Run both towers once; returns their outputs and the feature lists the fusion block reads. With
+        `config.vision_film`, the text tower runs first and the vision tower then runs once per text, on its image
+        (`pixel_values[image_index]`), modulated by it: the image features are then one per text.
+        """
         hierarchical = self.config.fusion_type == "hierarchical"
-        vision_out, image_features = self.encode_images(pixel_values, output_attentions, output_hidden_states)
+        if self.vision_film is None:
+            vision_out, image_features = self.encode_images(pixel_values, output_attentions, output_hidden_states)
         text_kwargs = {"token_type_ids": token_type_ids} if token_type_ids is not None else {}
         text_out = self.text_model(
             input_ids=input_ids,
@@ -838,6 +871,11 @@ class MMFusionModel(MMFusionPreTrainedModel):
             text_features = self._bridge_features(text_out, self.config.text_bridge_layers)
         else:
             text_features = [text_out.last_hidden_state]
+        if self.vision_film is not None:
+            text = pool(text_out.last_hidden_state, attention_mask, self.config.pooling_mode)
+            pixel_values = pixel_values[image_index] if image_index is not None else pixel_values
+            with self.vision_film.conditioned(text):
+                vision_out, image_features = self.encode_images(pixel_values, output_attentions, output_hidden_states)
         return vision_out, text_out, image_features, text_features
 
     def encode_images(
@@ -902,6 +940,11 @@ class MMFusionModel(MMFusionPreTrainedModel):
         Returns:
             [`MMFusionEncodingOutput`].
         """
+        if self.vision_film is not None:
+            raise ValueError(
+                "This model conditions its vision tower on each text (config.vision_film), so images have no features "
+                "apart from a text to encode them with: call the model on image-text pairs."
+            )
         _check_inputs(self.config, pixel_values, input_ids, paired=False)
         vision_out, text_out, image_features, text_features = self.encode_towers(
             pixel_values, input_ids, attention_mask, token_type_ids, output_attentions, output_hidden_states
@@ -1078,13 +1121,19 @@ class MMFusionModel(MMFusionPreTrainedModel):
         _check_inputs(self.config, pixel_values, input_ids, image_index)
         output_attentions, output_hidden_states = self._output_flags(output_attentions, output_hidden_states)
         vision_out, text_out, image_features, text_features = self.encode_towers(
-            pixel_values, input_ids, attention_mask, token_type_ids, output_attentions, output_hidden_states
+            pixel_values,
+            input_ids,
+            attention_mask,
+            token_type_ids,
+            output_attentions,
+            output_hidden_states,
+            image_index=image_index,
         )
         output = self.fuse(
             image_features,
             text_features,
             attention_mask,
-            image_index=image_index,
+            image_index=image_index if self.vision_film is None else None,  # FiLM: image features are per text
             output_attentions=output_attentions,
             output_hidden_states=output_hidden_states,
         )
@@ -1135,6 +1184,11 @@ class MMFusionModel(MMFusionPreTrainedModel):
         """
         if pixel_values is None:
             raise ValueError("get_image_features needs `pixel_values`.")
+        if self.vision_film is not None:
+            raise ValueError(
+                "This model conditions its vision tower on the text (config.vision_film): an image has no embedding "
+                "without a text. Call the model on image-text pairs."
+            )
         output_attentions, output_hidden_states = self._output_flags(output_attentions, output_hidden_states)
         if self._vision_tower_type == "transformer":
             vision_out = self.vision_model(
@@ -1391,6 +1445,11 @@ class MMFusionForPretraining(MMFusionPreTrainedModel):
     """
 
     def __init__(self, config: MMFusionConfig):
+        if getattr(config, "vision_film", False):
+            raise ValueError(
+                "MMFusionForPretraining's contrastive loss needs an embedding per image apart from any text, which a "
+                "vision tower conditioned on the text (vision_film=True) does not give: set vision_film=False."
+            )
         super().__init__(config)
         self.mm_fusion = MMFusionModel(config, add_projection_layers=True)
         self.logit_scale = nn.Parameter(torch.tensor(float(config.logit_scale_init_value)))

@@ -288,3 +288,74 @@ def install_conv_stem(tower: nn.Module, config: PretrainedConfig, channels: list
     parent = tower.get_submodule(name.rpartition(".")[0]) if "." in name else tower
     stem = MMFusionConvStem(in_channels, list(channels), patchify.out_channels, patch)
     setattr(parent, name.rpartition(".")[2], stem)
+
+
+def film_stages(tower: nn.Module, config: PretrainedConfig) -> nn.ModuleList:
+    """
+    The modules whose outputs are a backbone / convolutional tower's stages after the stem: the tower's
+    `nn.ModuleList` with one entry per such stage (ResNet's and ConvNeXt's `encoder.stages`, MobileNetV2's `layer`).
+    """
+    count = num_stages(config) - (1 if vision_tower_type(config) == "backbone" else 0)
+    found = [m for m in tower.modules() if isinstance(m, nn.ModuleList) and len(m) == count]
+    if len(found) != 1:
+        raise ValueError(
+            f"vision_film scales and shifts each stage of the vision tower, found as its one module list with an "
+            f"entry per stage after the stem ({count}); {type(tower).__name__} has {len(found)} such lists."
+        )
+    return found[0]
+
+
+class MMFusionFiLMLinear(nn.Linear):
+    """A FiLM map (text to scale and shift): a linear layer that the models initialise to zero."""
+
+
+class MMFusionVisionFiLM(nn.Module):
+    """
+    Feature-wise linear modulation of a vision tower by the text (FiLM, arXiv:1709.07871): per stage after the stem, a
+    linear map of the pooled text gives a per-channel scale and shift, and the stage's output `h` becomes
+    `h * (1 + scale) + shift`. The maps start at zero (the unconditioned tower). Forward hooks on the stage modules
+    apply them, so the tower's own modules and weight names are unchanged (pretrained towers load as they are).
+    """
+
+    def __init__(self, stages: nn.ModuleList, channels: list[int], text_width: int, coordinates: bool = False):
+        super().__init__()
+        self.maps = nn.ModuleList(MMFusionFiLMLinear(text_width, 2 * c) for c in channels)
+        # Where each cell is, as a learned per-channel function of its (x, y) added to the stage's output (the FiLM
+        # paper appends coordinate maps to every block's input; a sum keeps the tower's own convolutions).
+        self.positions = nn.ModuleList(MMFusionFiLMLinear(2, c, bias=False) for c in channels) if coordinates else None
+        self._modulation: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        for index, stage in enumerate(stages):
+            stage.register_forward_hook(self._hook(index))
+
+    def _hook(self, index: int):
+        def modulate(module, args, output):
+            if self._modulation is None:  # the tower run without a text (not through `conditioned`)
+                return output
+            scale, shift = self._modulation[index]
+            hidden = output[0] if isinstance(output, tuple) else output
+            hidden = hidden * (1 + scale) + shift
+            if self.positions is not None:
+                grid = coordinate_channels(hidden[:1])[0]  # (2, height, width)
+                hidden = hidden + torch.einsum("cp,phw->chw", self.positions[index].weight, grid)
+            return (hidden, *output[1:]) if isinstance(output, tuple) else hidden
+
+        return modulate
+
+    def conditioned(self, text: torch.Tensor) -> "_Conditioned":
+        """A context in which the tower's stages are modulated by `text`, `(batch, text_width)` (one row per image)."""
+        modulation = []
+        for layer in self.maps:
+            scale, shift = layer(text)[:, :, None, None].chunk(2, dim=1)
+            modulation.append((scale, shift))
+        return _Conditioned(self, modulation)
+
+
+class _Conditioned:
+    def __init__(self, film: MMFusionVisionFiLM, modulation: list[tuple[torch.Tensor, torch.Tensor]]):
+        self.film, self.modulation = film, modulation
+
+    def __enter__(self):
+        self.film._modulation = self.modulation
+
+    def __exit__(self, *exc):
+        self.film._modulation = None

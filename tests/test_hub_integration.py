@@ -81,6 +81,12 @@ def test_trust_remote_code_round_trip_without_mm_fusion(tester, tmp_path):
             "AutoModel",
             tester.config("hierarchical", vision_config=tester.vision_config(patch_size=6), vision_conv_stem=[8]),
         ),
+        # A backbone conditioned on the text (FiLM), its maps moved off their zero start.
+        (
+            MMFusionForImageTextClassification,
+            "AutoModelForVisualQuestionAnswering",
+            tester.config("late", vision_config=tester.resnet_config(), vision_film=True),
+        ),
     ]
     processor = MMFusionProcessor(
         MMFusionImageProcessor(size={"height": 30, "width": 30}), train_tokenizer(CORPUS, 200)
@@ -90,6 +96,10 @@ def test_trust_remote_code_round_trip_without_mm_fusion(tester, tmp_path):
     jobs, expected = [], {}
     for i, (cls, auto_class, config) in enumerate(cases):
         model = cls(config).eval()
+        if config.vision_film:
+            with torch.no_grad():
+                for p in model.mm_fusion.vision_film.parameters():
+                    p.normal_(std=0.2, generator=torch.Generator().manual_seed(i))
         path = str(tmp_path / f"model_{i}")
         model.save_pretrained(path)
         processor.save_pretrained(path)

@@ -121,12 +121,14 @@ class MMFusionCommonTester:
 
     def get_config(self) -> MMFusionConfig:
         extra = {}
-        if self.vision_tower == "resnet":  # a backbone: its feature maps become the image tokens
+        if self.vision_tower in ("resnet", "resnet_film"):  # a backbone: its feature maps become the image tokens
             vision_config = self.shared.resnet_config()
         else:
             vision_config = self.shared.vision_config(patch_size=self.patch_size)
         if self.vision_tower == "conv_stem":  # a stride-2 convolution + BatchNorm, then a stride-3 one: 6 px patches
             extra["vision_conv_stem"] = [8]
+        if self.vision_tower == "resnet_film":  # its stages scaled and shifted by the text
+            extra["vision_film"] = True
         return self.shared.config(
             self.fusion_type, fusion_direction=self.fusion_direction, vision_config=vision_config, **extra
         )
@@ -153,8 +155,11 @@ class MMFusionCommonTests(common.ModelTesterMixin):
 
     fusion_type: str
     fusion_direction = "bidirectional"
-    vision_tower = "vit"  # "resnet": a backbone tower; "conv_stem": a ViT with a convolutional stem
+    # "resnet": a backbone tower; "resnet_film": the same conditioned on the text; "conv_stem": a ViT with a
+    # convolutional stem
+    vision_tower = "vit"
     all_model_classes = (MMFusionModel, *HEADS)
+    heads = HEADS  # the classes with a loss
     # The eager-vs-SDPA test feeds `main_input_name` (input_ids) and these.
     additional_model_inputs = ["pixel_values"]
     _is_composite = True  # vision and text sub-configs
@@ -189,11 +194,11 @@ class MMFusionCommonTests(common.ModelTesterMixin):
     # The training tests leave base models (no loss) out by their names in transformers' own MODEL_MAPPING_NAMES;
     # MMFusionModel, registered through AutoModel.register, is not in it, so they run on the heads only.
     def test_training(self):
-        self.all_model_classes = HEADS
+        self.all_model_classes = self.heads
         super().test_training()
 
     def check_training_gradient_checkpointing(self, gradient_checkpointing_kwargs=None):
-        self.all_model_classes = HEADS
+        self.all_model_classes = self.heads
         super().check_training_gradient_checkpointing(gradient_checkpointing_kwargs)
 
     def _expected_shapes(self) -> dict[str, tuple[int, tuple[int, ...]] | None]:
@@ -201,7 +206,7 @@ class MMFusionCommonTests(common.ModelTesterMixin):
         t = self.model_tester
         B, T, P, D, H = t.batch_size, t.seq_length, (t.image_size // t.patch_size) ** 2 + 1, t.hidden_size, 4
         L = t.num_hidden_layers  # both towers and the fusion block have this many layers
-        if self.vision_tower != "resnet":
+        if self.vision_tower not in ("resnet", "resnet_film"):
             return expected_output_shapes(B, T, P, D, H, L, self.fusion_type, self.fusion_direction)
         # ResNet at 30 px: stem 8x8 (8 channels), stage1 8x8 (8), stage2 4x4 (16). Hierarchical fusion reads stages
         # 1 and 2 on the finer 8x8 grid, the others stage 2 (4x4), as tokens of the fusion width.
@@ -343,3 +348,35 @@ class MMFusionConvStemTest(MMFusionCommonTests, unittest.TestCase):
 
     fusion_type = "hierarchical"
     vision_tower = "conv_stem"
+
+
+class MMFusionResNetFiLMTest(MMFusionCommonTests, unittest.TestCase):
+    """A backbone tower whose stages the text scales and shifts (vision_film). The pretraining head, which needs an
+    image embedding apart from any text, refuses such a config (tests/test_vision_film.py)."""
+
+    fusion_type = "hierarchical"
+    vision_tower = "resnet_film"
+    all_model_classes = (MMFusionModel, MMFusionForImageTextClassification)
+    heads = (MMFusionForImageTextClassification,)
+    has_attentions = False
+    skip_test_image_features_output_shape = True
+
+    # get_image_features refuses a FiLM model with a clear error (an image has no embedding without its text):
+    # tests/test_vision_film.py::test_film_refuses_what_needs_an_image_without_its_text.
+    _NO_IMAGE_FEATURES = "vision_film: get_image_features refuses, an image has no embedding without a text"
+
+    @unittest.skip(_NO_IMAGE_FEATURES)
+    def test_get_image_features_output_0(self):
+        pass
+
+    @unittest.skip(_NO_IMAGE_FEATURES)
+    def test_get_image_features_output_1(self):
+        pass
+
+    @unittest.skip(_NO_IMAGE_FEATURES)
+    def test_get_image_features_output_2(self):
+        pass
+
+    @unittest.skip(_NO_IMAGE_FEATURES)
+    def test_get_image_features_hidden_states(self):
+        pass

@@ -25,6 +25,15 @@ Contenders (`--variants`):
 - `attention_resnet`: `attention` reading mm_fusion's default ResNet tower (stage 1, 16 x 16) in place of two convs.
 - `mm_fusion`: the Sort-of-CLEVR recipe's model (ResNet tower, hierarchical fusion, width 96, 2-layer BERT).
 - `mm_fusion_std01`: the same with `initializer_range=0.1` (fusion block and text tower).
+- `mm_fusion_film`: the recipe's model with `vision_film=True` (every ResNet stage scaled and shifted by a linear map
+  of the pooled question, `MMFusionConfig.vision_film`).
+- `mm_fusion_late_film`: the same with late fusion (no cross-attention: FiLM and the pooled image only).
+- `mm_fusion_film_coordinates`: `mm_fusion_film` with a learned per-channel function of each cell's (x, y) added to
+  every stage's output.
+- `mm_fusion_film_flatten`: `mm_fusion_late_film` with `image_pooling="flatten"` (every image token, in order, into
+  the image embedding: the layout kept, as `film_resnet`'s flattened map keeps it).
+- `mm_fusion_no_image_norms`: the recipe's model with the LayerNorms on the image tokens before the cross-attention
+  (the bridges' and the context's) removed, so that object cells keep a larger norm than the background.
 
 Writes `results/sort_of_clevr_ladder_runs.json` (every evaluation) and `.md` (the table of the last evaluations).
 `--merge a.json b.json` combines the reports of variants run by separate commands.
@@ -66,6 +75,11 @@ VARIANTS = (
     "attention_resnet",
     "mm_fusion",
     "mm_fusion_std01",
+    "mm_fusion_film",
+    "mm_fusion_late_film",
+    "mm_fusion_film_coordinates",
+    "mm_fusion_film_flatten",
+    "mm_fusion_no_image_norms",
 )
 
 
@@ -211,15 +225,20 @@ class AttentionRead(nn.Module):
 class MMFusion(nn.Module):
     """The recipe's model; the question as token ids [CLS, colour, family] (no tokenizer)."""
 
-    def __init__(self, initializer_range: float = 0.02):
+    def __init__(self, initializer_range: float = 0.02, image_norms: bool = True, **overrides):
         super().__init__()
         from mm_fusion import MMFusionForImageTextClassification
         from mm_fusion.training.arguments import ModelArguments
         from mm_fusion.training.models import build_config
 
-        config = build_config(ModelArguments(vision_tower="resnet"), IMAGE_SIZE, 20, 3, ANSWERS)
+        config = build_config(ModelArguments(vision_tower="resnet", **overrides), IMAGE_SIZE, 20, 3, ANSWERS)
         config.initializer_range = config.text_config.initializer_range = initializer_range
         self.model = MMFusionForImageTextClassification(config)
+        if not image_norms:
+            encoder = self.model.mm_fusion.encoder
+            encoder.image_bridge_norms = nn.ModuleList(nn.Identity() for _ in encoder.image_bridge_norms)
+            for layer in encoder.layers:
+                layer.text_block.context_norm = nn.Identity()
         self.register_buffer("mean", torch.tensor(config.image_mean).view(1, 3, 1, 1))
         self.register_buffer("std", torch.tensor(config.image_std).view(1, 3, 1, 1))
 
@@ -242,6 +261,15 @@ def build_variant(name: str) -> nn.Module:
         "attention_resnet": lambda: AttentionRead(tower="resnet"),
         "mm_fusion": lambda: MMFusion(),
         "mm_fusion_std01": lambda: MMFusion(initializer_range=0.1),
+        "mm_fusion_film": lambda: MMFusion(config_overrides="vision_film=true"),
+        "mm_fusion_late_film": lambda: MMFusion(config_overrides="vision_film=true", fusion_type="late"),
+        "mm_fusion_film_flatten": lambda: MMFusion(
+            config_overrides="vision_film=true,image_pooling=flatten", fusion_type="late"
+        ),
+        "mm_fusion_no_image_norms": lambda: MMFusion(image_norms=False),
+        "mm_fusion_film_coordinates": lambda: MMFusion(
+            config_overrides="vision_film=true,vision_film_coordinates=true"
+        ),
     }
     return models[name]()
 

@@ -1,0 +1,95 @@
+"""FiLM: a backbone / convolutional vision tower conditioned on the text (`MMFusionConfig.vision_film`)."""
+
+import copy
+
+import pytest
+import torch
+
+from mm_fusion import MMFusionConfig, MMFusionForImageTextClassification, MMFusionForPretraining, MMFusionModel
+from mm_fusion.vision_towers import MMFusionFiLMLinear, film_stages
+
+
+def film_config(tester, tower: str = "resnet", fusion_type: str = "hierarchical", **kwargs) -> MMFusionConfig:
+    vision = tester.resnet_config() if tower == "resnet" else tester.mobilenet_config()
+    return tester.config(fusion_type, vision_config=vision, **{"vision_film": True, **kwargs})
+
+
+def randomise_film(model: torch.nn.Module, seed: int = 0) -> None:
+    """Trained-like FiLM maps (they start at zero)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, MMFusionFiLMLinear):
+                module.weight.copy_(torch.randn(module.weight.shape, generator=g) * 0.2)
+                module.bias.copy_(torch.randn(module.bias.shape, generator=g) * 0.2)
+
+
+def test_film_maps_every_stage_after_the_stem(tester):
+    resnet = MMFusionModel(film_config(tester))
+    # ResNet: stem, stage1 (8 channels), stage2 (16): one scale and one shift per channel of each stage after the stem.
+    assert [layer.out_features for layer in resnet.vision_film.maps] == [16, 32]
+    assert film_stages(resnet.vision_model, resnet.config.vision_config) is resnet.vision_model.encoder.stages
+    mobilenet = MMFusionModel(film_config(tester, "mobilenet", "late"))
+    assert len(mobilenet.vision_film.maps) == 16  # every hidden_states map of MobileNetV2
+    assert film_stages(mobilenet.vision_model, mobilenet.config.vision_config) is mobilenet.vision_model.layer
+    assert all(not p.detach().any() for p in resnet.vision_film.parameters())  # starts as the identity
+
+
+@pytest.mark.parametrize("fusion_type", ["hierarchical", "late"])
+def test_film_starts_as_the_unconditioned_model(tester, fusion_type):
+    """At initialisation the FiLM maps are zero: the same weights give the same outputs with and without FiLM."""
+    plain = MMFusionForImageTextClassification(film_config(tester, fusion_type=fusion_type, vision_film=False)).eval()
+    film = MMFusionForImageTextClassification(film_config(tester, fusion_type=fusion_type)).eval()
+    missing, unexpected = film.load_state_dict(plain.state_dict(), strict=False)
+    assert unexpected == [] and missing and all(".vision_film." in name for name in missing)
+    inputs = tester.inputs()
+    with torch.no_grad():
+        torch.testing.assert_close(film(**inputs).logits, plain(**inputs).logits)
+        randomise_film(film)
+        assert not torch.allclose(film(**inputs).logits, plain(**inputs).logits, atol=1e-4)
+
+
+def test_film_conditions_each_image_on_its_own_text(tester):
+    """Two texts about one image (`image_index`) see different tower features, each the same as that pair run alone;
+    the tower runs once per text."""
+    model = MMFusionForImageTextClassification(film_config(tester, fusion_type="cross_attention")).eval()
+    randomise_film(model)
+    inputs = tester.inputs()  # 3 texts, 3 images
+    index = torch.tensor([1, 1, 0])
+    with torch.no_grad():
+        shared = model(**inputs, image_index=index, output_hidden_states=True)
+        paired = model(**{**inputs, "pixel_values": inputs["pixel_values"][index]}, output_hidden_states=True)
+    last = shared.vision_hidden_states[-1]
+    assert last.shape[0] == 3  # one tower run per text
+    assert not torch.allclose(last[0], last[1], atol=1e-4)  # same image, different texts
+    torch.testing.assert_close(last, paired.vision_hidden_states[-1])
+    torch.testing.assert_close(shared.logits, paired.logits)
+
+
+def test_film_trains_saves_and_reloads(tester, tmp_path):
+    config = film_config(tester, "mobilenet", "hierarchical", vision_bridge_layers=[5, 15])
+    model = MMFusionForImageTextClassification(config).train()
+    inputs = tester.inputs()
+    model(**inputs, labels=torch.tensor([0, 1, 2])).loss.backward()
+    grads = [layer.weight.grad for layer in model.mm_fusion.vision_film.maps]
+    assert all(g is not None for g in grads) and sum(float(g.abs().sum()) for g in grads) > 0
+    randomise_film(model)
+    model.eval().save_pretrained(tmp_path)
+    reloaded = MMFusionForImageTextClassification.from_pretrained(tmp_path).eval()
+    assert reloaded.config.vision_film is True
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(**inputs).logits, model(**inputs).logits)
+
+
+def test_film_refuses_what_needs_an_image_without_its_text(tester):
+    with pytest.raises(ValueError, match="vision_film scales and shifts .* the ViTConfig tower is a transformer"):
+        tester.config(vision_film=True)
+    config = film_config(tester)
+    with pytest.raises(ValueError, match="contrastive loss needs an embedding per image"):
+        MMFusionForPretraining(copy.deepcopy(config))
+    model = MMFusionModel(config)
+    inputs = tester.inputs()
+    with pytest.raises(ValueError, match="an image has no embedding without a text"):
+        model.get_image_features(inputs["pixel_values"])
+    with pytest.raises(ValueError, match="images have no features apart from a text"):
+        model.encode(**inputs)
