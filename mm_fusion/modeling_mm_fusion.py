@@ -681,8 +681,7 @@ class MMFusionPreTrainedModel(PreTrainedModel):
         std = self.config.initializer_range
         if isinstance(module, MMFusionFiLMLinear):  # FiLM starts as the identity: the unconditioned tower
             init.zeros_(module.weight)
-            if module.bias is not None:
-                init.zeros_(module.bias)
+            init.zeros_(module.bias)
         elif isinstance(module, nn.Linear):
             init.normal_(module.weight, mean=0.0, std=std)
             if module.bias is not None:
@@ -822,7 +821,6 @@ class MMFusionModel(MMFusionPreTrainedModel):
                 film_stages(self.vision_model, config.vision_config),
                 stage_channels(config.vision_config, stages),
                 config.text_config.hidden_size,
-                coordinates=getattr(config, "vision_film_coordinates", False),
             )
         self.is_late = config.fusion_type == "late"
         self.encoder = None if self.is_late else MMFusionEncoder(config)

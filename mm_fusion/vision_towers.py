@@ -317,12 +317,9 @@ class MMFusionVisionFiLM(nn.Module):
     apply them, so the tower's own modules and weight names are unchanged (pretrained towers load as they are).
     """
 
-    def __init__(self, stages: nn.ModuleList, channels: list[int], text_width: int, coordinates: bool = False):
+    def __init__(self, stages: nn.ModuleList, channels: list[int], text_width: int):
         super().__init__()
         self.maps = nn.ModuleList(MMFusionFiLMLinear(text_width, 2 * c) for c in channels)
-        # Where each cell is, as a learned per-channel function of its (x, y) added to the stage's output (the FiLM
-        # paper appends coordinate maps to every block's input; a sum keeps the tower's own convolutions).
-        self.positions = nn.ModuleList(MMFusionFiLMLinear(2, c, bias=False) for c in channels) if coordinates else None
         self._modulation: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         for index, stage in enumerate(stages):
             stage.register_forward_hook(self._hook(index))
@@ -334,9 +331,6 @@ class MMFusionVisionFiLM(nn.Module):
             scale, shift = self._modulation[index]
             hidden = output[0] if isinstance(output, tuple) else output
             hidden = hidden * (1 + scale) + shift
-            if self.positions is not None:
-                grid = coordinate_channels(hidden[:1])[0]  # (2, height, width)
-                hidden = hidden + torch.einsum("cp,phw->chw", self.positions[index].weight, grid)
             return (hidden, *output[1:]) if isinstance(output, tuple) else hidden
 
         return modulate
