@@ -77,7 +77,12 @@ def test_old_directory_saves_again_in_the_same_format(name, tmp_path):
     model.save_pretrained(tmp_path)
     old = _comparable(json.loads((SAVED / name / "config.json").read_text()))
     # Settings added since (issue 21's vision towers) are written at the values that give the old model.
-    added = {"image_pooling": old["pooling_mode"], "vision_position_embedding": "sine", "vision_conv_stem": None}
+    added = {
+        "image_pooling": old["pooling_mode"],
+        "vision_position_embedding": "sine",
+        "vision_conv_stem": None,
+        "vision_film": False,
+    }
     assert not added.keys() & old.keys()
     assert _comparable(json.loads((tmp_path / "config.json").read_text())) == {**old, **added}
     model_code = {"configuration_mm_fusion.py", "modeling_mm_fusion.py", "pipeline_mm_fusion.py"}
