@@ -322,18 +322,7 @@ class MMFusionVisionFiLM(nn.Module):
         self.maps = nn.ModuleList(MMFusionFiLMLinear(text_width, 2 * c) for c in channels)
         self._modulation: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         for index, stage in enumerate(stages):
-            stage.register_forward_hook(self._hook(index))
-
-    def _hook(self, index: int):
-        def modulate(module, args, output):
-            if self._modulation is None:  # the tower run without a text (not through `conditioned`)
-                return output
-            scale, shift = self._modulation[index]
-            hidden = output[0] if isinstance(output, tuple) else output
-            hidden = hidden * (1 + scale) + shift
-            return (hidden, *output[1:]) if isinstance(output, tuple) else hidden
-
-        return modulate
+            stage.register_forward_hook(_FiLMHook(self, index))
 
     def conditioned(self, text: torch.Tensor) -> "_Conditioned":
         """A context in which the tower's stages are modulated by `text`, `(batch, text_width)` (one row per image)."""
@@ -342,6 +331,23 @@ class MMFusionVisionFiLM(nn.Module):
             scale, shift = layer(text)[:, :, None, None].chunk(2, dim=1)
             modulation.append((scale, shift))
         return _Conditioned(self, modulation)
+
+
+class _FiLMHook:
+    """The forward hook of one stage: an object rather than a closure, so that `copy.deepcopy` of a model gives the
+    copy's hooks the copy's FiLM module (a closure would keep modulating through the original's)."""
+
+    def __init__(self, film: MMFusionVisionFiLM, index: int):
+        self.film, self.index = film, index
+
+    def __call__(self, module, args, output):
+        modulation = self.film._modulation
+        if modulation is None:  # the tower run without a text (not through `conditioned`)
+            return output
+        scale, shift = modulation[self.index]
+        hidden = output[0] if isinstance(output, tuple) else output
+        hidden = hidden * (1 + scale) + shift
+        return (hidden, *output[1:]) if isinstance(output, tuple) else hidden
 
 
 class _Conditioned:

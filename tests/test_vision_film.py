@@ -74,7 +74,16 @@ def test_film_trains_saves_and_reloads(tester, tmp_path):
     grads = [layer.weight.grad for layer in model.mm_fusion.vision_film.maps]
     assert all(g is not None for g in grads) and sum(float(g.abs().sum()) for g in grads) > 0
     randomise_film(model)
-    model.eval().save_pretrained(tmp_path)
+    model.eval()
+    copied = copy.deepcopy(model)  # its hooks modulate through its own FiLM maps, not the original's
+    with torch.no_grad():
+        expected = model(**inputs).logits
+        torch.testing.assert_close(copied(**inputs).logits, expected)
+        for p in model.mm_fusion.vision_film.parameters():
+            p.zero_()
+        torch.testing.assert_close(copied(**inputs).logits, expected)
+        randomise_film(model)
+    model.save_pretrained(tmp_path)
     reloaded = MMFusionForImageTextClassification.from_pretrained(tmp_path).eval()
     assert reloaded.config.vision_film is True
     with torch.no_grad():
