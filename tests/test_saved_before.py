@@ -52,7 +52,8 @@ def test_old_directory_loads_with_the_installed_code_and_gives_its_saved_outputs
     saved = _outputs(expected, name)
     assert saved and set(saved) <= set(outputs.keys())
     for key, value in saved.items():
-        assert torch.equal(outputs[key], value), key
+        # Tight, not bit-equal: another torch release or CPU (AVX2 / AVX-512) sums in another order, at ~1e-7.
+        torch.testing.assert_close(outputs[key], value, rtol=1e-5, atol=1e-6, msg=key)
 
 
 def test_old_directory_serves_through_the_installed_pipeline(expected):
@@ -106,7 +107,7 @@ REMOTE = BLOCK_MM_FUSION + textwrap.dedent(
             outputs = model(**inputs)
         for key, value in expected.items():
             if key.startswith(name + "."):
-                assert torch.equal(outputs[key[len(name) + 1:]], value), (name, key)
+                torch.testing.assert_close(outputs[key[len(name) + 1:]], value, rtol=1e-5, atol=1e-6, msg=key)
     pipe = transformers.pipeline("image-text-classification", model=f"{saved}/vqa", trust_remote_code=True)
     assert type(pipe).__module__.startswith("transformers_modules"), type(pipe).__module__
     answers = pipe(image=[f"{saved}/image.png"] * 2, question=json.loads(sys.argv[2]))
