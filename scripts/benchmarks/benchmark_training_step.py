@@ -369,30 +369,26 @@ class _TruncateTo:
         return self.tokenizer(texts, **{**kwargs, "max_length": self.max_length})
 
 
-def train_run_clip(size, rec, tokenizer, labels, total_steps, timer, evaluate, eval_questions, patch_size, out):
-    from transformers import Trainer, TrainingArguments
-
-    from mm_fusion import MMFusionForImageTextClassification
-
-    train, test = _easy_vqa(eval_questions)
+def run_clip_dataset(split, tokenizer, size: int, rec: dict):
+    """run_clip_loader's pipeline on `split` (its DataLoader unused: Trainer builds its own), with the answers as
+    labels, and the collate function that batches them."""
     loader_args = SimpleNamespace(batch_size=rec["batch_size"], num_workers=0)
-
-    def dataset(split):
-        """run_clip_loader's pipeline (its DataLoader unused: Trainer builds its own), with the answers as labels."""
-        loader = benchmark_data.run_clip_loader(split, _TruncateTo(tokenizer, rec["max_length"]), size, loader_args)[0]
-        if len(loader.dataset) != len(split):
-            raise RuntimeError("run_clip's filter dropped rows; the labels would no longer line up.")
-        return loader.dataset.add_column("labels", split["answer"]), loader.collate_fn
-
-    train_dataset, clip_collate = dataset(train)
+    loader = benchmark_data.run_clip_loader(split, _TruncateTo(tokenizer, rec["max_length"]), size, loader_args)[0]
+    if len(loader.dataset) != len(split):
+        raise RuntimeError("run_clip's filter dropped rows; the labels would no longer line up.")
+    clip_collate = loader.collate_fn
 
     def collate(examples):
         return {**clip_collate(examples), "labels": torch.tensor([e["labels"] for e in examples])}
 
-    config = build_fusion_config(size, len(tokenizer), rec["max_length"], labels, patch_size)
-    config.problem_type = "single_label_classification"
-    model = MMFusionForImageTextClassification(config)
-    args = TrainingArguments(
+    return loader.dataset.add_column("labels", split["answer"]), collate
+
+
+def run_clip_arguments(rec: dict, out: str, max_steps: int, **changes):
+    """The stock `TrainingArguments` of the run_clip contender: the recipe's optimizer and schedule."""
+    from transformers import TrainingArguments
+
+    settings = dict(
         output_dir=out,
         per_device_train_batch_size=rec["batch_size"],
         per_device_eval_batch_size=rec["batch_size"],
@@ -400,7 +396,7 @@ def train_run_clip(size, rec, tokenizer, labels, total_steps, timer, evaluate, e
         weight_decay=rec["weight_decay"],
         warmup_steps=rec["warmup_steps"],
         lr_scheduler_type=rec["lr_scheduler_type"],
-        max_steps=total_steps,
+        max_steps=max_steps,
         seed=rec["seed"],
         bf16=torch.cuda.is_available(),
         remove_unused_columns=False,  # pixel_values are made from the image column by the transform
@@ -409,12 +405,26 @@ def train_run_clip(size, rec, tokenizer, labels, total_steps, timer, evaluate, e
         report_to="none",
         disable_tqdm=True,
     )
+    return TrainingArguments(**(settings | changes))
+
+
+def train_run_clip(size, rec, tokenizer, labels, total_steps, timer, evaluate, eval_questions, patch_size, out):
+    from transformers import Trainer
+
+    from mm_fusion import MMFusionForImageTextClassification
+
+    train, test = _easy_vqa(eval_questions)
+    train_dataset, collate = run_clip_dataset(train, tokenizer, size, rec)
+    config = build_fusion_config(size, len(tokenizer), rec["max_length"], labels, patch_size)
+    config.problem_type = "single_label_classification"
+    model = MMFusionForImageTextClassification(config)
+    args = run_clip_arguments(rec, out, total_steps)
     trainer = Trainer(model=model, args=args, train_dataset=train_dataset, data_collator=collate)
     trainer.add_callback(StepTimerCallback(timer, model))
     trainer.train()
     result = {"parameters": sum(p.numel() for p in model.parameters()), "towers": _towers(config)}
     if evaluate:
-        prediction = trainer.predict(dataset(test)[0])  # Trainer's evaluation loop, with the logits kept
+        prediction = trainer.predict(run_clip_dataset(test, tokenizer, size, rec)[0])  # Trainer's loop, logits kept
         logits = prediction.predictions[0] if isinstance(prediction.predictions, tuple) else prediction.predictions
         accuracy = float((logits.argmax(-1) == np.asarray(test["answer"])).mean())
         result.update(eval_loss=prediction.metrics["test_loss"], eval_accuracy=accuracy, eval_count=len(test))

@@ -16,6 +16,17 @@ Contenders (`--variants`):
   linear map of the question (FiLM, arXiv:1709.07871).
 - `film_resnet`: mm_fusion's default ResNet tower (stages of 24 / 48 / 96 channels on 16 x 16, 8 x 8, 4 x 4 cells)
   with every stage's output scaled and shifted by a linear map of the question, its last stage flattened into the MLP.
+- `film_resnet_text`: `film_resnet` with the question read as mm_fusion reads it: the recipe's text tower (2-layer
+  BERT, width 96) on [CLS, colour, family], mean-pooled, into the FiLM maps and the MLP in place of the one-hot.
+- `film_resnet_zero_film`: `film_resnet` with its FiLM maps starting at zero (the identity), as mm_fusion's do.
+- `film_resnet_frozen_text`: `film_resnet_text` with the text tower frozen at its random initialisation (a fixed
+  question vector, as the one-hot is, but BERT's).
+- `film_resnet_text_lr01`: `film_resnet_text` with the text tower at a tenth of the learning rate.
+- `film_resnet_normalised`, `film_resnet_tokens`, `film_resnet_mm_head`: `film_resnet` with one of mm_fusion's
+  choices each: ImageNet mean / std on the pixels; the last stage as 96-wide tokens (1x1 projection, sine positions);
+  mm_fusion's late head (see `FiLMResNet`).
+- `film_resnet_tokens_torch_init`, `film_resnet_mm_head_torch_init`: the same two with their new layers drawn as
+  PyTorch draws them instead of from N(0, 0.02); `film_resnet_tokens_no_positions`: the tokens without sine positions.
 - `attention`: two stride-2 convs, (x, y) appended to each of the 16 x 16 cells, one attention read of the cells by a
   query made from the question (PyTorch's default initialisation), the result and the question into an MLP.
 - `attention_std002`: `attention` with its projections drawn from N(0, 0.02), the initialisation of BERT and of
@@ -32,10 +43,24 @@ Contenders (`--variants`):
   the image embedding: the layout kept, as `film_resnet`'s flattened map keeps it).
 - `mm_fusion_film_flatten_default_init`: `mm_fusion_film_flatten` with the FiLM maps drawn as PyTorch draws a new
   `nn.Linear` (as `film_resnet`'s are) instead of starting at zero.
+- `mm_fusion_film_flatten_one_hot`: `mm_fusion_film_flatten` with its text tower replaced by the one-hot question
+  (each token's state its one-hot id, mean-pooled), as the hand-written models get it.
+- `mm_fusion_film_flatten_one_hot_torch_init`: the same with every linear and 1x1 layer outside the towers and FiLM
+  (tokens' projection, image / text projections, classifier) drawn as PyTorch draws a new layer, not from N(0, 0.02).
+- `mm_fusion_film_flatten_one_hot_default_init`: `mm_fusion_film_flatten_one_hot` with the FiLM maps drawn as
+  PyTorch draws a new `nn.Linear` (as `film_resnet`'s are) instead of starting at zero.
+- `mm_fusion_film_flatten_one_hot_film_std015_torch_init`: `mm_fusion_film_flatten_one_hot_torch_init` with the FiLM
+  maps drawn from N(0, 0.15), so that their initial scale and shift of a one-hot question match `film_resnet`'s.
+- `mm_fusion_film_flatten_fixes_one_hot`: `mm_fusion_film_flatten_one_hot_film_std015_torch_init` with the image
+  tokens' sine positions left out (`vision_position_embedding="none"`): every difference the `film_resnet_*` rungs
+  found, undone in mm_fusion's late model.
+- `mm_fusion_film_flatten_fixes`: the same with the text tower in place of the one-hot, trained at a tenth of the
+  learning rate, and the FiLM maps drawn as PyTorch draws them.
 - `mm_fusion_no_image_norms`: the recipe's model with the LayerNorms on the image tokens before the cross-attention
   (the bridges' and the context's) removed, so that object cells keep a larger norm than the background.
 
-Writes `results/sort_of_clevr_ladder_runs.json` (every evaluation) and `.md` (the table of the last evaluations).
+Writes `results/sort_of_clevr_ladder_runs.json` (every evaluation), `.md` (the table of the last evaluations) and
+`.png` (the learning curves of the left / right question).
 `--merge a.json b.json` combines the reports of variants run by separate commands.
 """
 
@@ -68,6 +93,16 @@ VARIANTS = (
     "cnn_mlp",
     "film",
     "film_resnet",
+    "film_resnet_text",
+    "film_resnet_zero_film",
+    "film_resnet_frozen_text",
+    "film_resnet_text_lr01",
+    "film_resnet_normalised",
+    "film_resnet_tokens",
+    "film_resnet_mm_head",
+    "film_resnet_tokens_torch_init",
+    "film_resnet_tokens_no_positions",
+    "film_resnet_mm_head_torch_init",
     "attention",
     "attention_std002",
     "attention_sine",
@@ -80,6 +115,12 @@ VARIANTS = (
     "mm_fusion_film_flatten",
     "mm_fusion_no_image_norms",
     "mm_fusion_film_flatten_default_init",
+    "mm_fusion_film_flatten_one_hot",
+    "mm_fusion_film_flatten_one_hot_torch_init",
+    "mm_fusion_film_flatten_one_hot_default_init",
+    "mm_fusion_film_flatten_one_hot_film_std015_torch_init",
+    "mm_fusion_film_flatten_fixes_one_hot",
+    "mm_fusion_film_flatten_fixes",
 )
 
 
@@ -130,6 +171,35 @@ def conv_stack(layers: int, extra_channels: int = 0) -> nn.ModuleList:
     )
 
 
+def recipe_config(**overrides):
+    """The MMFusionConfig of the Sort-of-CLEVR recipe's model (ResNet tower), vocabulary of 20 ids."""
+    from mm_fusion.training.arguments import ModelArguments
+    from mm_fusion.training.models import build_config
+
+    return build_config(ModelArguments(vision_tower="resnet", **overrides), IMAGE_SIZE, 20, 3, ANSWERS)
+
+
+def question_ids(question: torch.Tensor) -> torch.Tensor:
+    """One-hot questions as token ids [CLS, colour, family] (CLS 1, colours 2-7, families 8-13)."""
+    colour, family = question[:, : len(COLOURS)].argmax(1), question[:, len(COLOURS) :].argmax(1)
+    return torch.stack([torch.ones_like(colour), 2 + colour, 2 + len(COLOURS) + family], dim=1)
+
+
+class OneHotText(nn.Module):
+    """In place of mm_fusion's text tower: every token's state is its one-hot id (times 3, padded to the width), so
+    the mean over [CLS, colour, family] is the one-hot question of the hand-written models (plus the CLS one)."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.width = width
+
+    def forward(self, input_ids, attention_mask=None, output_hidden_states=False, **kwargs):
+        from transformers.modeling_outputs import BaseModelOutput
+
+        states = 3.0 * F.one_hot(input_ids, self.width).float()
+        return BaseModelOutput(last_hidden_state=states, hidden_states=(states,) * 3 if output_hidden_states else None)
+
+
 class CNNMLP(nn.Module):
     def __init__(self):
         super().__init__()
@@ -163,16 +233,78 @@ class FiLM(CNNMLP):
 
 class FiLMResNet(nn.Module):
     """mm_fusion's default ResNet tower with each stage's output scaled and shifted by a linear map of the question
-    (hooks on the stages, no coordinate maps inside), its last stage flattened with the question into an MLP."""
+    (hooks on the stages, no coordinate maps inside), its last stage flattened with the question into an MLP. With
+    `text_tower`, the question is what mm_fusion's FiLM reads: the recipe's text tower (2-layer BERT, width 96) on
+    [CLS, colour, family], mean-pooled, in place of the one-hot. The other options each put one of mm_fusion's
+    choices in: `zero_film` (maps starting at zero), `normalise` (ImageNet mean / std on the pixels), `tokens` (a 1x1
+    projection of the last stage to 96-wide tokens plus sine positions, N(0, 0.02)), `mm_head` (mm_fusion's late head:
+    bias-free projections of the flattened map and the question to 96, [image, question, image x question], a
+    GELU + LayerNorm MLP, all N(0, 0.02)); `token_positions=False` leaves the sine positions out, `mm_init=False` draws
+    the new layers as PyTorch does."""
 
-    def __init__(self):
+    def __init__(
+        self,
+        text_tower: bool = False,
+        zero_film: bool = False,
+        freeze_text: bool = False,
+        text_lr_scale: float = 1.0,
+        normalise: bool = False,
+        tokens: bool = False,
+        mm_head: bool = False,
+        token_positions: bool = True,
+        mm_init: bool = True,
+    ):
         super().__init__()
         self.backbone = resnet_backbone(3)
-        self.film = nn.ModuleList(nn.Linear(12, 2 * c) for c in self.backbone.config.hidden_sizes)
+        self.text = None
+        if text_tower:
+            from transformers import BertModel
+
+            self.text = BertModel(recipe_config().text_config, add_pooling_layer=False)
+            self.text.requires_grad_(not freeze_text)
+        self.text_lr_scale = text_lr_scale
+        width = self.text.config.hidden_size if text_tower else 12
+        self.film = nn.ModuleList(nn.Linear(width, 2 * c) for c in self.backbone.config.hidden_sizes)
+        if zero_film:  # as mm_fusion's FiLM starts: the identity
+            for layer in self.film:
+                nn.init.zeros_(layer.weight)
+                nn.init.zeros_(layer.bias)
         for stage, film in zip(self.backbone.encoder.stages, self.film):
             stage.register_forward_hook(lambda module, args, out, film=film: self._modulate(out, film))
-        self.mlp = nn.Sequential(
-            nn.Linear(96 * 4 * 4 + 12, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, len(ANSWERS))
+        self.normalise = normalise
+        if normalise:
+            config = recipe_config()
+            self.register_buffer("mean", torch.tensor(config.image_mean).view(1, 3, 1, 1))
+            self.register_buffer("std", torch.tensor(config.image_std).view(1, 3, 1, 1))
+        self.tokens = nn.Conv2d(96, 96, 1) if tokens else None
+        self.token_positions = token_positions
+        self.mm_head = mm_head
+        if mm_head:
+            self.image_projection = nn.Linear(96 * 4 * 4, 96, bias=False)
+            self.text_projection = nn.Linear(width, 96, bias=False)
+            self.mlp = nn.Sequential(
+                nn.Linear(3 * 96, 576), nn.GELU(), nn.LayerNorm(576), nn.Linear(576, len(ANSWERS))
+            )  # fmt: skip
+        else:
+            self.mlp = nn.Sequential(
+                nn.Linear(96 * 4 * 4 + width, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(),
+                nn.Linear(256, len(ANSWERS)),
+            )  # fmt: skip
+        mm_fusion_init = ([self.tokens] if tokens else []) + (
+            [self.image_projection, self.text_projection, self.mlp[0], self.mlp[3]] if mm_head else []
+        )
+        mm_fusion_init = mm_fusion_init if mm_init else []  # else as PyTorch draws them
+        for layer in mm_fusion_init:  # as mm_fusion's _init_weights draws them
+            nn.init.normal_(layer.weight, std=0.02)
+            if layer.bias is not None:
+                nn.init.zeros_(layer.bias)
+
+    def param_groups(self, lr: float) -> list[dict]:
+        """The optimizer's groups: the text tower at `text_lr_scale` times the learning rate."""
+        text = {id(p) for p in self.text.parameters()} if self.text is not None else set()
+        rest = [p for p in self.parameters() if id(p) not in text]
+        return [{"params": rest, "lr": lr}] + (
+            [{"params": list(self.text.parameters()), "lr": lr * self.text_lr_scale}] if text else []
         )
 
     def _modulate(self, features, film):
@@ -180,8 +312,21 @@ class FiLMResNet(nn.Module):
         return features * (1 + scale) + shift
 
     def forward(self, images, question):
+        if self.text is not None:
+            question = self.text(input_ids=question_ids(question)).last_hidden_state.mean(1)
         self._question = question
-        return self.mlp(torch.cat([self.backbone(images).feature_maps[0].flatten(1), question], dim=1))
+        if self.normalise:
+            images = (images - self.mean) / self.std
+        maps = self.backbone(images).feature_maps[0]
+        if self.tokens is not None:
+            cells = self.tokens(maps).flatten(2).transpose(1, 2)
+            positions = sine_positions(*maps.shape[-2:], cells.shape[-1]).to(cells.dtype)
+            maps = cells + positions if self.token_positions else cells
+        image = maps.flatten(1)
+        if self.mm_head:
+            image, question = self.image_projection(image), self.text_projection(question)
+            return self.mlp(torch.cat([image, question, image * question], dim=1))
+        return self.mlp(torch.cat([image, question], dim=1))
 
 
 class AttentionRead(nn.Module):
@@ -226,19 +371,37 @@ class MMFusion(nn.Module):
     """The recipe's model; the question as token ids [CLS, colour, family] (no tokenizer)."""
 
     def __init__(
-        self, initializer_range: float = 0.02, image_norms: bool = True, film_default_init: bool = False, **overrides
+        self,
+        initializer_range: float = 0.02,
+        image_norms: bool = True,
+        film_default_init: bool = False,
+        one_hot_text: bool = False,
+        torch_init: bool = False,
+        film_init_std: float | None = None,
+        text_lr_scale: float = 1.0,
+        **overrides,
     ):
         super().__init__()
         from mm_fusion import MMFusionForImageTextClassification
-        from mm_fusion.training.arguments import ModelArguments
-        from mm_fusion.training.models import build_config
 
-        config = build_config(ModelArguments(vision_tower="resnet", **overrides), IMAGE_SIZE, 20, 3, ANSWERS)
+        config = recipe_config(**overrides)
         config.initializer_range = config.text_config.initializer_range = initializer_range
         self.model = MMFusionForImageTextClassification(config)
         if film_default_init:
             for layer in self.model.mm_fusion.vision_film.maps:
                 layer.reset_parameters()
+        if film_init_std is not None:
+            for layer in self.model.mm_fusion.vision_film.maps:
+                nn.init.normal_(layer.weight, std=film_init_std)
+        if torch_init:  # every linear / 1x1 layer outside the towers and FiLM as PyTorch draws a new one
+            base = self.model.mm_fusion
+            towers = {id(m) for tower in (base.vision_model, base.text_model) for m in tower.modules()}
+            film = {id(m) for m in base.vision_film.modules()} if base.vision_film is not None else set()
+            for module in self.model.modules():
+                if isinstance(module, (nn.Linear, nn.Conv2d)) and id(module) not in towers | film:
+                    module.reset_parameters()
+        if one_hot_text:
+            self.model.mm_fusion.text_model = OneHotText(config.text_config.hidden_size)
         if not image_norms:
             encoder = self.model.mm_fusion.encoder
             encoder.image_bridge_norms = nn.ModuleList(nn.Identity() for _ in encoder.image_bridge_norms)
@@ -246,11 +409,17 @@ class MMFusion(nn.Module):
                 layer.text_block.context_norm = nn.Identity()
         self.register_buffer("mean", torch.tensor(config.image_mean).view(1, 3, 1, 1))
         self.register_buffer("std", torch.tensor(config.image_std).view(1, 3, 1, 1))
+        self.text_lr_scale = text_lr_scale
+
+    def param_groups(self, lr: float) -> list[dict]:
+        """The optimizer's groups: the text tower at `text_lr_scale` times the learning rate."""
+        text = list(self.model.mm_fusion.text_model.parameters())
+        ids = {id(p) for p in text}
+        rest = [p for p in self.parameters() if id(p) not in ids]
+        return [{"params": rest, "lr": lr}] + ([{"params": text, "lr": lr * self.text_lr_scale}] if text else [])
 
     def forward(self, images, question):
-        colour, family = question[:, : len(COLOURS)].argmax(1), question[:, len(COLOURS) :].argmax(1)
-        ids = torch.stack([torch.ones_like(colour), 2 + colour, 2 + len(COLOURS) + family], dim=1)
-        return self.model(pixel_values=(images - self.mean) / self.std, input_ids=ids).logits
+        return self.model(pixel_values=(images - self.mean) / self.std, input_ids=question_ids(question)).logits
 
 
 def build_variant(name: str) -> nn.Module:
@@ -259,6 +428,16 @@ def build_variant(name: str) -> nn.Module:
         "cnn_mlp": lambda: CNNMLP(),
         "film": lambda: FiLM(),
         "film_resnet": lambda: FiLMResNet(),
+        "film_resnet_text": lambda: FiLMResNet(text_tower=True),
+        "film_resnet_zero_film": lambda: FiLMResNet(zero_film=True),
+        "film_resnet_frozen_text": lambda: FiLMResNet(text_tower=True, freeze_text=True),
+        "film_resnet_text_lr01": lambda: FiLMResNet(text_tower=True, text_lr_scale=0.1),
+        "film_resnet_normalised": lambda: FiLMResNet(normalise=True),
+        "film_resnet_tokens": lambda: FiLMResNet(tokens=True),
+        "film_resnet_mm_head": lambda: FiLMResNet(mm_head=True),
+        "film_resnet_tokens_torch_init": lambda: FiLMResNet(tokens=True, mm_init=False),
+        "film_resnet_tokens_no_positions": lambda: FiLMResNet(tokens=True, token_positions=False),
+        "film_resnet_mm_head_torch_init": lambda: FiLMResNet(mm_head=True, mm_init=False),
         "attention": lambda: AttentionRead(),
         "attention_std002": lambda: AttentionRead(std=0.02),
         "attention_sine": lambda: AttentionRead(positions="sine"),
@@ -274,6 +453,42 @@ def build_variant(name: str) -> nn.Module:
         "mm_fusion_no_image_norms": lambda: MMFusion(image_norms=False),
         "mm_fusion_film_flatten_default_init": lambda: MMFusion(
             config_overrides="vision_film=true,image_pooling=flatten", fusion_type="late", film_default_init=True
+        ),
+        "mm_fusion_film_flatten_one_hot": lambda: MMFusion(
+            config_overrides="vision_film=true,image_pooling=flatten", fusion_type="late", one_hot_text=True
+        ),
+        "mm_fusion_film_flatten_one_hot_default_init": lambda: MMFusion(
+            config_overrides="vision_film=true,image_pooling=flatten",
+            fusion_type="late",
+            one_hot_text=True,
+            film_default_init=True,
+        ),
+        "mm_fusion_film_flatten_one_hot_film_std015_torch_init": lambda: MMFusion(
+            config_overrides="vision_film=true,image_pooling=flatten",
+            fusion_type="late",
+            one_hot_text=True,
+            film_init_std=0.15,
+            torch_init=True,
+        ),
+        "mm_fusion_film_flatten_fixes_one_hot": lambda: MMFusion(
+            config_overrides="vision_film=true,image_pooling=flatten,vision_position_embedding=none",
+            fusion_type="late",
+            one_hot_text=True,
+            film_init_std=0.15,
+            torch_init=True,
+        ),
+        "mm_fusion_film_flatten_fixes": lambda: MMFusion(
+            config_overrides="vision_film=true,image_pooling=flatten,vision_position_embedding=none",
+            fusion_type="late",
+            film_default_init=True,
+            torch_init=True,
+            text_lr_scale=0.1,
+        ),
+        "mm_fusion_film_flatten_one_hot_torch_init": lambda: MMFusion(
+            config_overrides="vision_film=true,image_pooling=flatten",
+            fusion_type="late",
+            one_hot_text=True,
+            torch_init=True,
         ),
     }
     return models[name]()
@@ -302,7 +517,8 @@ def evaluate(model: nn.Module, test: dict) -> dict[str, float]:
 def train_variant(name: str, train: dict, test: dict, args) -> dict:
     torch.manual_seed(args.seed)
     model = build_variant(name)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=0.0)
+    groups = model.param_groups(args.learning_rate) if hasattr(model, "param_groups") else model.parameters()
+    optimizer = torch.optim.AdamW(groups, lr=args.learning_rate, weight_decay=0.0)
     generator = torch.Generator().manual_seed(args.seed)
     evaluations, step, start = [], 0, time.perf_counter()
     while step < args.steps:
@@ -326,8 +542,54 @@ def train_variant(name: str, train: dict, test: dict, args) -> dict:
     return {"variant": name, "evaluations": evaluations}
 
 
+def run_name(run: dict) -> str:
+    """The variant, with its seed when not 0 (the seed draws the scenes and the initialisation)."""
+    seed = run.get("settings", {}).get("seed", 0)
+    return run["variant"] if not seed else f"{run['variant']} (seed {seed})"
+
+
 def first_step(evaluations: list[dict], key: str, threshold: float) -> int | None:
     return next((e["step"] for e in evaluations if e[key] >= threshold), None)
+
+
+def plot(runs: list[dict], path: Path) -> None:
+    """Learning curves of "is the <colour> object on the left" (the diagnostic question: the prior is 0.5 until a model
+    finds the object by its colour), one panel per group of variants."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    def seed(run):
+        return run.get("settings", {}).get("seed", 0)
+
+    groups = [
+        (
+            "hand-written contenders, seed 0",
+            [r for r in runs if not r["variant"].startswith("mm_fusion") and not seed(r)],
+        ),
+        ("hand-written contenders, seed 1", [r for r in runs if not r["variant"].startswith("mm_fusion") and seed(r)]),
+        ("mm_fusion variants", [r for r in runs if r["variant"].startswith("mm_fusion")]),
+    ]
+    groups = [(title, members) for title, members in groups if members]
+    fig, axes = plt.subplots(1, len(groups), figsize=(6 * len(groups), 7.5), sharey=True, squeeze=False)
+    for ax, (title, members) in zip(axes[0], groups):
+        for k, run in enumerate(members):
+            steps = [e["step"] for e in run["evaluations"]]
+            ax.plot(
+                steps, [e["horizontal"] for e in run["evaluations"]], color=plt.cm.tab20(k % 20),
+                linestyle="-" if k < 20 else "--", marker=".", linewidth=1, label=run_name(run),
+            )  # fmt: skip
+        ax.axhline(0.5, color="grey", linewidth=0.8, linestyle=":")
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("step (64 questions each)")
+        ax.set_ylim(0.3, 1.02)
+        ax.legend(fontsize=6.5, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=1, frameon=False)
+    axes[0][0].set_ylabel('held-out accuracy, "is the <colour> object on the left"')
+    fig.suptitle("Sort-of-CLEVR diagnostic ladder (question-only prior dotted)", fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
 
 
 def main(argv=None) -> dict:
@@ -355,7 +617,7 @@ def main(argv=None) -> dict:
 def run(args) -> dict:
     done = {}
     for part in args.merge:  # reports of variants run by separate commands (e.g. two at a time)
-        done.update({r["variant"]: r for r in json.loads(Path(part).read_text())["runs"]})
+        done.update({run_name(r): r for r in json.loads(Path(part).read_text())["runs"]})
     if not args.merge:
         scenes = generate_scenes(
             num_train_images=args.train_images,
@@ -368,14 +630,17 @@ def run(args) -> dict:
         )
         train, test = build_split(scenes["train"]), build_split(scenes["test"])
         for name in args.variants:
-            done[name] = train_variant(name, train, test, args) | {"settings": vars(args) | {"variants": None}}
-    # Variants since retired (their code is in the commit that ran them; see results/sort_of_clevr_ladder.md) last.
-    runs = [done[name] for name in VARIANTS if name in done] + [r for n, r in done.items() if n not in VARIANTS]
+            run = train_variant(name, train, test, args) | {"settings": vars(args) | {"variants": None}}
+            done[run_name(run)] = run
+    # In the order of VARIANTS, seeds in order; variants since retired (their code is in the commit that ran them;
+    # see results/sort_of_clevr_ladder.md) last.
+    rank = {name: k for k, name in enumerate(VARIANTS)}
+    runs = sorted(done.values(), key=lambda r: (rank.get(r["variant"], len(VARIANTS)), r["settings"]["seed"]))
     rows = []
     for run in runs:
         last = run["evaluations"][-1]
         rows.append(
-            [run["variant"], last["step"], f"{last['seconds']:.0f}", f"{last['non_relational']:.3f}",
+            [run_name(run), last["step"], f"{last['seconds']:.0f}", f"{last['non_relational']:.3f}",
              f"{last['relational']:.3f}", *(f"{last[f]:.3f}" for f in FAMILIES),
              first_step(run["evaluations"], "non_relational", 0.9) or "not reached"]
         )  # fmt: skip
@@ -384,6 +649,7 @@ def run(args) -> dict:
     print(table)
     report = {"machine": machine(), "runs": runs}
     write_report(args.output, report, f"{table}\n")
+    plot(runs, Path(args.output).with_suffix(".png"))
     return report
 
 

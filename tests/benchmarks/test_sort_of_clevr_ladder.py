@@ -59,4 +59,10 @@ def test_tiny_run_of_every_variant_and_merge(tmp_path):
     assert json.loads((tmp_path / "all.json").read_text())["runs"] == merged["runs"]
     table = (tmp_path / "all.md").read_text()
     assert all(f"| {name} | 2 |" in table for name in ladder.VARIANTS)
+    assert (tmp_path / "all.png").stat().st_size > 0  # the learning curves
     assert torch.get_num_threads() == threads  # --threads applies to the run only
+    # Another seed of a variant is a run of its own, next to the first, not in its place.
+    ladder.main(["--variants", "film", "--seed", "1", "--output", str(tmp_path / "seed1"), *common])
+    both = ladder.main(["--merge", f"{tmp_path / 'all'}.json", f"{tmp_path / 'seed1'}.json", "--output", str(first)])
+    names = [ladder.run_name(r) for r in both["runs"]]
+    assert names[names.index("film") + 1] == "film (seed 1)" and len(names) == len(ladder.VARIANTS) + 1
