@@ -56,6 +56,9 @@ Contenders (`--variants`):
   found, undone in mm_fusion's late model.
 - `mm_fusion_film_flatten_fixes`: the same with the text tower in place of the one-hot, trained at a tenth of the
   learning rate, and the FiLM maps drawn as PyTorch draws them.
+- `mm_fusion_film_fixes`: the same fixes in the recipe's hierarchical (cross-attention) model with `vision_film=True`
+  (its fusion block drawn as PyTorch draws it too); `mm_fusion_film_fixes_no_image_norms` without the LayerNorms on
+  the image tokens before the cross-attention as well.
 - `mm_fusion_no_image_norms`: the recipe's model with the LayerNorms on the image tokens before the cross-attention
   (the bridges' and the context's) removed, so that object cells keep a larger norm than the background.
 
@@ -121,6 +124,8 @@ VARIANTS = (
     "mm_fusion_film_flatten_one_hot_film_std015_torch_init",
     "mm_fusion_film_flatten_fixes_one_hot",
     "mm_fusion_film_flatten_fixes",
+    "mm_fusion_film_fixes",
+    "mm_fusion_film_fixes_no_image_norms",
 )
 
 
@@ -483,6 +488,19 @@ def build_variant(name: str) -> nn.Module:
             film_default_init=True,
             torch_init=True,
             text_lr_scale=0.1,
+        ),
+        "mm_fusion_film_fixes": lambda: MMFusion(
+            config_overrides="vision_film=true,vision_position_embedding=none",
+            film_default_init=True,
+            torch_init=True,
+            text_lr_scale=0.1,
+        ),
+        "mm_fusion_film_fixes_no_image_norms": lambda: MMFusion(
+            config_overrides="vision_film=true,vision_position_embedding=none",
+            film_default_init=True,
+            torch_init=True,
+            text_lr_scale=0.1,
+            image_norms=False,
         ),
         "mm_fusion_film_flatten_one_hot_torch_init": lambda: MMFusion(
             config_overrides="vision_film=true,image_pooling=flatten",
