@@ -205,6 +205,14 @@ class OneHotText(nn.Module):
         return BaseModelOutput(last_hidden_state=states, hidden_states=(states,) * 3 if output_hidden_states else None)
 
 
+def text_tower_groups(model: nn.Module, text: nn.Module | None, lr: float, scale: float) -> list[dict]:
+    """The optimizer's parameter groups: the text tower's parameters at `scale` times the learning rate."""
+    tower = list(text.parameters()) if text is not None else []
+    ids = {id(p) for p in tower}
+    rest = [p for p in model.parameters() if id(p) not in ids]
+    return [{"params": rest, "lr": lr}] + ([{"params": tower, "lr": lr * scale}] if tower else [])
+
+
 class CNNMLP(nn.Module):
     def __init__(self):
         super().__init__()
@@ -305,12 +313,7 @@ class FiLMResNet(nn.Module):
                 nn.init.zeros_(layer.bias)
 
     def param_groups(self, lr: float) -> list[dict]:
-        """The optimizer's groups: the text tower at `text_lr_scale` times the learning rate."""
-        text = {id(p) for p in self.text.parameters()} if self.text is not None else set()
-        rest = [p for p in self.parameters() if id(p) not in text]
-        return [{"params": rest, "lr": lr}] + (
-            [{"params": list(self.text.parameters()), "lr": lr * self.text_lr_scale}] if text else []
-        )
+        return text_tower_groups(self, self.text, lr, self.text_lr_scale)
 
     def _modulate(self, features, film):
         scale, shift = film(self._question).unsqueeze(-1).unsqueeze(-1).chunk(2, dim=1)
@@ -417,14 +420,19 @@ class MMFusion(nn.Module):
         self.text_lr_scale = text_lr_scale
 
     def param_groups(self, lr: float) -> list[dict]:
-        """The optimizer's groups: the text tower at `text_lr_scale` times the learning rate."""
-        text = list(self.model.mm_fusion.text_model.parameters())
-        ids = {id(p) for p in text}
-        rest = [p for p in self.parameters() if id(p) not in ids]
-        return [{"params": rest, "lr": lr}] + ([{"params": text, "lr": lr * self.text_lr_scale}] if text else [])
+        return text_tower_groups(self, self.model.mm_fusion.text_model, lr, self.text_lr_scale)
 
     def forward(self, images, question):
         return self.model(pixel_values=(images - self.mean) / self.std, input_ids=question_ids(question)).logits
+
+
+# The late model with FiLM and the flattened tokens (the closest mm_fusion gets to `film_resnet`), and the four fixes
+# the `film_resnet_*` rungs found (results/sort_of_clevr_ladder.md, points 10-12; positions are the fourth).
+LATE_FILM = {"config_overrides": "vision_film=true,image_pooling=flatten", "fusion_type": "late"}
+LATE_FILM_NO_POSITIONS = LATE_FILM | {
+    "config_overrides": LATE_FILM["config_overrides"] + ",vision_position_embedding=none"
+}
+FIXES = {"film_default_init": True, "torch_init": True, "text_lr_scale": 0.1}
 
 
 def build_variant(name: str) -> nn.Module:
@@ -452,62 +460,27 @@ def build_variant(name: str) -> nn.Module:
         "mm_fusion_std01": lambda: MMFusion(initializer_range=0.1),
         "mm_fusion_film": lambda: MMFusion(config_overrides="vision_film=true"),
         "mm_fusion_late_film": lambda: MMFusion(config_overrides="vision_film=true", fusion_type="late"),
-        "mm_fusion_film_flatten": lambda: MMFusion(
-            config_overrides="vision_film=true,image_pooling=flatten", fusion_type="late"
-        ),
+        "mm_fusion_film_flatten": lambda: MMFusion(**LATE_FILM),
         "mm_fusion_no_image_norms": lambda: MMFusion(image_norms=False),
-        "mm_fusion_film_flatten_default_init": lambda: MMFusion(
-            config_overrides="vision_film=true,image_pooling=flatten", fusion_type="late", film_default_init=True
-        ),
-        "mm_fusion_film_flatten_one_hot": lambda: MMFusion(
-            config_overrides="vision_film=true,image_pooling=flatten", fusion_type="late", one_hot_text=True
-        ),
+        "mm_fusion_film_flatten_default_init": lambda: MMFusion(**LATE_FILM, film_default_init=True),
+        "mm_fusion_film_flatten_one_hot": lambda: MMFusion(**LATE_FILM, one_hot_text=True),
         "mm_fusion_film_flatten_one_hot_default_init": lambda: MMFusion(
-            config_overrides="vision_film=true,image_pooling=flatten",
-            fusion_type="late",
-            one_hot_text=True,
-            film_default_init=True,
+            **LATE_FILM, one_hot_text=True, film_default_init=True
         ),
         "mm_fusion_film_flatten_one_hot_film_std015_torch_init": lambda: MMFusion(
-            config_overrides="vision_film=true,image_pooling=flatten",
-            fusion_type="late",
-            one_hot_text=True,
-            film_init_std=0.15,
-            torch_init=True,
+            **LATE_FILM, one_hot_text=True, film_init_std=0.15, torch_init=True
         ),
         "mm_fusion_film_flatten_fixes_one_hot": lambda: MMFusion(
-            config_overrides="vision_film=true,image_pooling=flatten,vision_position_embedding=none",
-            fusion_type="late",
-            one_hot_text=True,
-            film_init_std=0.15,
-            torch_init=True,
+            **LATE_FILM_NO_POSITIONS, one_hot_text=True, film_init_std=0.15, torch_init=True
         ),
-        "mm_fusion_film_flatten_fixes": lambda: MMFusion(
-            config_overrides="vision_film=true,image_pooling=flatten,vision_position_embedding=none",
-            fusion_type="late",
-            film_default_init=True,
-            torch_init=True,
-            text_lr_scale=0.1,
-        ),
+        "mm_fusion_film_flatten_fixes": lambda: MMFusion(**LATE_FILM_NO_POSITIONS, **FIXES),
         "mm_fusion_film_fixes": lambda: MMFusion(
-            config_overrides="vision_film=true,vision_position_embedding=none",
-            film_default_init=True,
-            torch_init=True,
-            text_lr_scale=0.1,
+            config_overrides="vision_film=true,vision_position_embedding=none", **FIXES
         ),
         "mm_fusion_film_fixes_no_image_norms": lambda: MMFusion(
-            config_overrides="vision_film=true,vision_position_embedding=none",
-            film_default_init=True,
-            torch_init=True,
-            text_lr_scale=0.1,
-            image_norms=False,
+            config_overrides="vision_film=true,vision_position_embedding=none", **FIXES, image_norms=False
         ),
-        "mm_fusion_film_flatten_one_hot_torch_init": lambda: MMFusion(
-            config_overrides="vision_film=true,image_pooling=flatten",
-            fusion_type="late",
-            one_hot_text=True,
-            torch_init=True,
-        ),
+        "mm_fusion_film_flatten_one_hot_torch_init": lambda: MMFusion(**LATE_FILM, one_hot_text=True, torch_init=True),
     }
     return models[name]()
 
