@@ -23,6 +23,8 @@ FUSION_DIRECTIONS = ("bidirectional", "text_to_image")
 POOLING_MODES = ("mean", "cls")
 IMAGE_POOLING = ("mean", "cls", "flatten")
 JOINT_POOLING = ("concat", "concat_product")
+FILM_INITS = ("zeros", "pytorch")
+FUSION_INITS = ("normal", "pytorch")
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 
@@ -167,6 +169,12 @@ class MMFusionConfig(PretrainedConfig):
             Dropout before the classification head's output layer.
         initializer_range (`float`, *optional*, defaults to 0.02):
             Standard deviation of the normal initialisation of the fusion block and heads.
+        fusion_init (`str`, *optional*, defaults to `"normal"`):
+            How the linear and convolution layers outside the towers (fusion block, feature-map token projections,
+            projections, heads) are drawn: `"normal"` (N(0, `initializer_range`), biases zero, as BERT / CLIP) or
+            `"pytorch"` (as PyTorch draws a new `nn.Linear` / `nn.Conv2d`: uniform with bound 1 / sqrt(fan-in), about
+            N(0, 0.06) for a width of 96). On Sort-of-CLEVR only the second lets a late FiLM model leave the
+            question-only prior (`scripts/benchmarks/results/sort_of_clevr_ladder.md`).
         vision_position_embedding (`str`, *optional*, defaults to `"sine"`):
             How the tokens of a backbone / convolutional tower know where they are: `"sine"` (fixed 2-D sine
             embeddings added after the 1x1 projection to `fusion_hidden_size`), `"coordinates"` ((x, y) channels
@@ -182,6 +190,10 @@ class MMFusionConfig(PretrainedConfig):
             zero, so training starts from the unconditioned tower). The tower then runs once per image-text pair
             instead of once per image, and an image has no features without a text, so the contrastive / matching
             head ([`MMFusionForPretraining`]) and `get_image_features` are not available.
+        vision_film_init (`str`, *optional*, defaults to `"zeros"`):
+            The FiLM maps' initial weights: `"zeros"` (training starts from the unconditioned tower) or `"pytorch"`
+            (drawn as PyTorch draws a new `nn.Linear`, so every question modulates the tower from the first step; the
+            only one of the two with which FiLM learned on Sort-of-CLEVR in the ladder).
         image_mean (`list[float]`, *optional*, defaults to the ImageNet mean):
             Per-channel mean used when `pixel_values` arrive as uint8 in [0, 255] (as the data collator delivers
             them): the model then normalises them itself, on its device. Set it to the vision tower's own values
@@ -237,6 +249,8 @@ class MMFusionConfig(PretrainedConfig):
         vision_position_embedding: str = "sine",
         vision_conv_stem: list[int] | None = None,
         vision_film: bool = False,
+        vision_film_init: str = "zeros",
+        fusion_init: str = "normal",
         **kwargs,
     ):
         if fusion_type not in FUSION_TYPES:
@@ -283,6 +297,14 @@ class MMFusionConfig(PretrainedConfig):
                 f"{type(self.vision_config).__name__} tower is a transformer encoder."
             )
         self.vision_film = bool(vision_film)
+        if vision_film_init not in FILM_INITS:
+            raise ValueError(
+                f"Unknown vision_film_init {vision_film_init!r}; valid values are {', '.join(FILM_INITS)}."
+            )
+        self.vision_film_init = vision_film_init
+        if fusion_init not in FUSION_INITS:
+            raise ValueError(f"Unknown fusion_init {fusion_init!r}; valid values are {', '.join(FUSION_INITS)}.")
+        self.fusion_init = fusion_init
         if self.vision_tower_type == "backbone":  # the backbone outputs exactly the stages fusion reads
             self.vision_config = with_out_indices(self.vision_config, self.vision_stages)
         self.fusion_dropout = fusion_dropout

@@ -605,6 +605,17 @@ class MMFusionMLPHead(nn.Module):
         return self.out(self.dropout(self.norm(self.act(self.dense(x)))))
 
 
+def _pytorch_draw(module: nn.Linear | nn.Conv2d) -> None:
+    """Draw a layer as PyTorch draws a new `nn.Linear` / `nn.Conv2d` (`reset_parameters`): weights by Kaiming-uniform
+    with a = sqrt(5), i.e. uniform with bound 1 / sqrt(fan-in), and the bias uniform with the same bound. Written with
+    transformers' `initialization` functions, which respect its "already initialised" flags (loading a checkpoint
+    leaves loaded weights alone); `reset_parameters` would not."""
+    init.kaiming_uniform_(module.weight, a=math.sqrt(5))
+    if module.bias is not None:
+        bound = 1 / math.sqrt(module.weight[0].numel()) if module.weight[0].numel() else 0.0
+        init.uniform_(module.bias, -bound, bound)
+
+
 class MMFusionPreTrainedModel(PreTrainedModel):
     """Weight initialisation and capability flags shared by every MMFusion model."""
 
@@ -679,9 +690,15 @@ class MMFusionPreTrainedModel(PreTrainedModel):
     def _init_weights(self, module: nn.Module):
         # The towers are PreTrainedModels and get their own `_init_weights`; this sees the fusion block and heads.
         std = self.config.initializer_range
-        if isinstance(module, MMFusionFiLMLinear):  # FiLM starts as the identity: the unconditioned tower
-            init.zeros_(module.weight)
-            init.zeros_(module.bias)
+        pytorch_draw = getattr(self.config, "fusion_init", "normal") == "pytorch"
+        if isinstance(module, MMFusionFiLMLinear):
+            if getattr(self.config, "vision_film_init", "zeros") == "pytorch":
+                _pytorch_draw(module)
+            else:  # FiLM starts as the identity: the unconditioned tower
+                init.zeros_(module.weight)
+                init.zeros_(module.bias)
+        elif pytorch_draw and isinstance(module, (nn.Linear, nn.Conv2d)):
+            _pytorch_draw(module)
         elif isinstance(module, nn.Linear):
             init.normal_(module.weight, mean=0.0, std=std)
             if module.bias is not None:

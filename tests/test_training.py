@@ -165,6 +165,28 @@ def test_gradient_accumulation_matches_the_full_batch(tmp_path):
         torch.testing.assert_close(weights[1][name], value, rtol=1e-4, atol=1e-6, msg=name)
 
 
+def test_text_tower_learning_rate_scale(tmp_path):
+    """`--text_tower_lr_scale 0.1`: the text tower's parameters (and only they) train at a tenth of the learning rate
+    through the whole schedule, their weight decay kept; every trainable parameter is in exactly one group."""
+    flags = ["--text_tower_lr_scale", "0.1", "--max_steps", "3", "--warmup_steps", "4", "--eval_strategy", "no",
+             "--lr_scheduler_type", "constant_with_warmup", "--save_strategy", "no",
+             "--learning_rate", "1e-3"]  # fmt: skip
+    trainer = setup_run(["--output_dir", str(tmp_path / "out"), "--max_train_samples", "32", *TINY, *flags])
+    trainer.train()
+    tower = {id(p) for p in trainer.model.mm_fusion.text_model.parameters()}
+    groups = trainer.optimizer.param_groups
+    placed = [id(p) for g in groups for p in g["params"]]
+    assert sorted(placed) == sorted(id(p) for p in trainer.model.parameters() if p.requires_grad)
+    text = [g for g in groups if g["params"] and all(id(p) in tower for p in g["params"])]
+    rest = [g for g in groups if g["params"] and not any(id(p) in tower for p in g["params"])]
+    assert len(text) + len(rest) == len([g for g in groups if g["params"]])  # no group mixes the two
+    assert {g["weight_decay"] for g in text} == {g["weight_decay"] for g in rest} == {0.0, 0.01}
+    assert rest[0]["lr"] == pytest.approx(0.75e-3)  # 3 steps into a 4-step warm-up
+    for group in text:
+        assert group["lr"] == pytest.approx(0.1 * rest[0]["lr"])
+        assert group["initial_lr"] == pytest.approx(1e-4)
+
+
 def test_early_stopping_stops_and_keeps_the_best(tmp_path):
     results = run(
         tmp_path, "--num_train_epochs", "20", "--early_stopping_patience", "1",
@@ -186,6 +208,7 @@ def test_early_stopping_stops_and_keeps_the_best(tmp_path):
         ),
         (["--task", "ocr"], "--task must be one of"),
         (["--fp16", "True"], "fp16 needs a GPU"),
+        (["--text_tower_lr_scale", "0"], "text_tower_lr_scale must be > 0"),
     ],
 )
 def test_bad_configuration_gets_a_clear_error(tmp_path, bad, message):
@@ -331,6 +354,25 @@ def test_monitor_measures_data_wait_and_warns(tmp_path, caplog):
         waited = log["data_wait_fraction"] * elapsed
         assert 3 * delay * 0.95 <= waited <= elapsed
     assert "waiting for data" in caplog.text
+
+
+def test_monitor_times_every_evaluation_from_the_start_of_training(tmp_path):
+    """`elapsed_seconds` on each evaluation's log entry: the wall time since `train()` began, so it covers the
+    batches trained before it (each collated with an injected delay) and grows from one evaluation to the next."""
+    delay, batch = 0.2, 4
+    flags = ["--eval_strategy", "steps", "--eval_steps", "4", "--save_strategy", "no", "--num_train_epochs", "1",
+             "--per_device_train_batch_size", str(batch), "--max_eval_samples", "8"]  # fmt: skip
+    trainer = setup_run(["--output_dir", str(tmp_path / "out"), "--max_train_samples", "32", *TINY, *flags])
+    trainer.data_collator = _SlowCollator(trainer.data_collator, delay)
+    start = time.perf_counter()
+    trainer.train()
+    wall = time.perf_counter() - start
+    evaluations = [h for h in trainer.state.log_history if "eval_loss" in h]
+    assert [h["step"] for h in evaluations] == [4, 8]
+    first, second = (h["elapsed_seconds"] for h in evaluations)
+    assert 3 * delay <= first < second <= wall  # (accelerate reads one batch ahead: 3 of the first 4 in the clock)
+    assert second - first >= 4 * delay * 0.95
+    assert not any("elapsed_seconds" in h for h in trainer.state.log_history if "loss" in h)
 
 
 def test_add_monitor_runs_before_the_reporters(tmp_path):

@@ -102,3 +102,60 @@ def test_film_refuses_what_needs_an_image_without_its_text(tester):
         model.get_image_features(inputs["pixel_values"])
     with pytest.raises(ValueError, match="images have no features apart from a text"):
         model.encode(**inputs)
+
+
+def outside_the_towers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The linear and convolution layers of the fusion block, token projections, projections and heads (not FiLM)."""
+    base = model.mm_fusion
+    towers = {id(m) for tower in (base.vision_model, base.text_model) for m in tower.modules()}
+    return [
+        m
+        for m in model.modules()
+        if isinstance(m, (torch.nn.Linear, torch.nn.Conv2d))
+        and not isinstance(m, MMFusionFiLMLinear)
+        and id(m) not in towers
+    ]
+
+
+@pytest.mark.parametrize("fusion_type", ["hierarchical", "late"])
+def test_pytorch_draws_of_the_film_maps_and_the_layers_outside_the_towers(tester, fusion_type, tmp_path):
+    """`vision_film_init="pytorch"` / `fusion_init="pytorch"` draw those layers as a new `nn.Linear` / `nn.Conv2d`
+    is drawn (uniform within 1 / sqrt(fan-in), biases too); the defaults keep zero FiLM maps and N(0,
+    initializer_range) with zero biases. A saved model keeps the choice and loads its weights as saved."""
+    torch.manual_seed(0)
+    default = MMFusionForImageTextClassification(film_config(tester, fusion_type=fusion_type))
+    torch.manual_seed(0)
+    drawn = MMFusionForImageTextClassification(
+        film_config(tester, fusion_type=fusion_type, vision_film_init="pytorch", fusion_init="pytorch")
+    )
+    for layer in drawn.mm_fusion.vision_film.maps:
+        bound = 1 / layer.in_features**0.5
+        assert layer.weight.abs().max() <= bound and layer.weight.std() > bound / 3  # uniform: std = bound / sqrt 3
+        assert layer.bias.abs().max() <= bound and layer.bias.any()
+    assert all(not p.any() for p in default.mm_fusion.vision_film.parameters())
+    layers = outside_the_towers(drawn)
+    assert any(isinstance(m, torch.nn.Conv2d) for m in layers)  # the feature-map tokens' 1x1 projections
+    for layer, normal in zip(layers, outside_the_towers(default)):
+        bound = 1 / layer.weight[0].numel() ** 0.5
+        assert layer.weight.abs().max() <= bound, layer
+        if layer.weight.numel() >= 256:  # enough draws to tell the two apart
+            assert layer.weight.std() > 2 * tester.config().initializer_range > normal.weight.std(), layer
+        if layer.bias is not None:
+            assert layer.bias.abs().max() <= bound and layer.bias.any() and not normal.bias.any(), layer
+    drawn.save_pretrained(tmp_path)
+    reloaded = MMFusionForImageTextClassification.from_pretrained(tmp_path)
+    assert (reloaded.config.vision_film_init, reloaded.config.fusion_init) == ("pytorch", "pytorch")
+    for name, value in drawn.state_dict().items():
+        torch.testing.assert_close(reloaded.state_dict()[name], value, rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        ({"vision_film_init": "ones"}, "Unknown vision_film_init 'ones'; valid values are zeros, pytorch"),
+        ({"fusion_init": "xavier"}, "Unknown fusion_init 'xavier'; valid values are normal, pytorch"),
+    ],
+)
+def test_unknown_initialisations_are_refused(tester, bad, message):
+    with pytest.raises(ValueError, match=message):
+        film_config(tester, **bad)

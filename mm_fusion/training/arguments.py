@@ -260,6 +260,14 @@ class MMFusionTrainingArguments(TrainingArguments):
             "pairs only. With k = 1 it changes nothing (the features are gathered across processes anyway)."
         },
     )
+    text_tower_lr_scale: float = field(
+        default=1.0,
+        metadata={
+            "help": "The text tower's learning rate as a fraction of --learning_rate (its own AdamW parameter groups, "
+            "following the same schedule). 0.1 is what let a late FiLM model with a text tower built from scratch "
+            "learn Sort-of-CLEVR (scripts/benchmarks/results/sort_of_clevr_ladder.md); 1 trains every part alike."
+        },
+    )
     cpu_threads: int | None = field(
         default=None,
         metadata={
@@ -280,6 +288,11 @@ class MMFusionTrainingArguments(TrainingArguments):
                 self.dataloader_num_workers = 0
         if not has_accelerator:
             self.dataloader_pin_memory = False  # pinned host memory only helps copies to an accelerator
+        if not self.text_tower_lr_scale > 0:
+            raise ValueError(
+                f"text_tower_lr_scale must be > 0 (a fraction of learning_rate), got {self.text_tower_lr_scale}; to "
+                "keep the text tower as it is, freeze it instead."
+            )
         if self.group_by_image and self.train_sampling_strategy == "group_by_length":
             raise ValueError("group_by_image and train_sampling_strategy=group_by_length exclude each other.")
         # TrainingArguments would fill in the evaluation loss; scripts/train.py puts the task's metric there instead.

@@ -29,7 +29,8 @@ class MMFusionMonitorCallback(TrainerCallback):
     start of the next, minus logging, evaluation and checkpointing), `peak_memory_gb` (the CUDA allocator's peak on
     GPU, the process's peak RSS on CPU) and, on a GPU whose peak FLOP/s is known, `mfu` (model FLOPs utilisation
     from Trainer's FLOP count, see `MMFusionPreTrainedModel.floating_point_ops`). Warns when the data wait exceeds
-    `data_wait_warning` (the input pipeline, not the model, is then the bottleneck).
+    `data_wait_warning` (the input pipeline, not the model, is then the bottleneck). Every evaluation's log gets
+    `elapsed_seconds`: wall time since this `train()` call began, evaluations included (time-to-accuracy curves).
 
     The numbers go into the `logs` dict, so every `report_to` backend and the console see them, provided this
     callback runs before the reporting ones: add it with [`add_monitor`].
@@ -46,6 +47,7 @@ class MMFusionMonitorCallback(TrainerCallback):
         self.peak = peak_tflops
         self._reset(time.perf_counter(), 0, 0.0)
         self._last_event = None
+        self._train_start = None
 
     def _reset(self, now: float, step: int, flos: float) -> None:
         self._window_start, self._window_step, self._window_flos = now, step, flos
@@ -58,7 +60,7 @@ class MMFusionMonitorCallback(TrainerCallback):
             if self.peak is None:
                 self.peak = peak_tflops(torch.cuda.get_device_name())
         self._reset(time.perf_counter(), state.global_step, state.total_flos)
-        self._last_event = time.perf_counter()
+        self._last_event = self._train_start = time.perf_counter()
 
     def on_step_begin(self, args, state, control, **kwargs):
         # The batches of this optimizer step were fetched just before this call, after the previous step ended.
@@ -80,6 +82,9 @@ class MMFusionMonitorCallback(TrainerCallback):
     on_evaluate = on_save = lambda self, *args, **kwargs: self._pause()  # noqa: E731
 
     def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, logs=None, **kwargs):
+        if logs is not None and self._train_start is not None and any(k.startswith("eval_") for k in logs):
+            logs["elapsed_seconds"] = round(time.perf_counter() - self._train_start, 1)
+            self._keep_in_history(state, logs)
         if logs is None or "loss" not in logs:  # only training logs; evaluation logs have their own timings
             return
         now = time.perf_counter()
@@ -106,12 +111,16 @@ class MMFusionMonitorCallback(TrainerCallback):
                 steps,
                 100 * self.data_wait_warning,
             )
-        # Trainer appended a copy of `logs` to the history before calling back; keep the history complete too.
-        if state.log_history and state.log_history[-1].get("step") == state.global_step:
-            state.log_history[-1].update({k: logs[k] for k in logs if k not in state.log_history[-1]})
+        self._keep_in_history(state, logs)
         self._reset(now, state.global_step, state.total_flos)
         # Logging happens between step end and the next fetch: do not count it as data wait.
         self._last_event = time.perf_counter()
+
+    @staticmethod
+    def _keep_in_history(state: TrainerState, logs: dict) -> None:
+        # Trainer appended a copy of `logs` to the history before calling back; keep the history complete too.
+        if state.log_history and state.log_history[-1].get("step") == state.global_step:
+            state.log_history[-1].update({k: logs[k] for k in logs if k not in state.log_history[-1]})
 
 
 def add_monitor(trainer, **kwargs) -> MMFusionMonitorCallback:

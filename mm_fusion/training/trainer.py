@@ -40,6 +40,7 @@ class MMFusionTrainer(Trainer):
     - exact weight loading on resume and for `load_best_model_at_end` ([`load_checkpoint_weights`]): Trainer loads
       with `strict=False` and without the key renaming of `from_pretrained`, so a ViT tower saved under its legacy
       key names silently stayed at its random initialisation; a missing or unexpected key is now an error;
+    - `text_tower_lr_scale`: the text tower's parameters at a fraction of the learning rate (`create_optimizer`);
     - after a resume, `train_loss` is the mean over every step of the run, not only the resumed ones.
 
     Everything else (mixed precision, accumulation, checkpoint writing, `gather_for_metrics`, RNG and data-order
@@ -106,6 +107,29 @@ class MMFusionTrainer(Trainer):
             steps = self.state.global_step - self.resumed_from_step  # this session's, which Trainer averaged over
             logs["train_loss"] = (self._resumed_loss_sum + logs["train_loss"] * steps) / max(self.state.global_step, 1)
         super().log(logs, start_time)
+
+    def create_optimizer(self, model=None):
+        """Trainer's optimizer, with the text tower's parameters in groups of their own at `text_tower_lr_scale` times
+        the learning rate (Trainer has one rate for every parameter; its scheduler then scales each group's own)."""
+        made_here = self.optimizer is None  # not one passed in through `optimizers`, nor one already split
+        optimizer = super().create_optimizer(model)
+        scale = getattr(self.args, "text_tower_lr_scale", 1.0)
+        if scale == 1.0 or not made_here:
+            return optimizer
+        model = self.model if model is None else model
+        tower = getattr(getattr(model, model.base_model_prefix, model), "text_model", None)
+        if tower is None:
+            raise ValueError(
+                f"text_tower_lr_scale={scale} sets the learning rate of a text tower, but {type(model).__name__} has "
+                "no `text_model`."
+            )
+        text_ids = {id(p) for p in tower.parameters()}
+        for group in list(optimizer.param_groups):
+            text = [p for p in group["params"] if id(p) in text_ids]
+            if text:
+                group["params"] = [p for p in group["params"] if id(p) not in text_ids]
+                optimizer.add_param_group({**group, "params": text, "lr": group["lr"] * scale})
+        return optimizer
 
     def _get_dataloader(self, dataset, description, batch_size, sampler_fn=None, is_training=False, **kwargs):
         """Evaluation and prediction use `eval_data_collator` when given (e.g. the training one augments)."""

@@ -56,6 +56,9 @@ Contenders (`--variants`):
   found, undone in mm_fusion's late model.
 - `mm_fusion_film_flatten_fixes`: the same with the text tower in place of the one-hot, trained at a tenth of the
   learning rate, and the FiLM maps drawn as PyTorch draws them.
+- `mm_fusion_film_flatten_options`: `mm_fusion_film_flatten_fixes` through mm_fusion's own options, as
+  `scripts/train.py` sets them (`vision_film_init="pytorch"`, `fusion_init="pytorch"`, the text tower at a tenth of the
+  learning rate) in place of patching the model from outside.
 - `mm_fusion_film_fixes`: the same fixes in the recipe's hierarchical (cross-attention) model with `vision_film=True`
   (its fusion block drawn as PyTorch draws it too); `mm_fusion_film_fixes_no_image_norms` without the LayerNorms on
   the image tokens before the cross-attention as well.
@@ -124,6 +127,7 @@ VARIANTS = (
     "mm_fusion_film_flatten_one_hot_film_std015_torch_init",
     "mm_fusion_film_flatten_fixes_one_hot",
     "mm_fusion_film_flatten_fixes",
+    "mm_fusion_film_flatten_options",
     "mm_fusion_film_fixes",
     "mm_fusion_film_fixes_no_image_norms",
 )
@@ -433,6 +437,12 @@ LATE_FILM_NO_POSITIONS = LATE_FILM | {
     "config_overrides": LATE_FILM["config_overrides"] + ",vision_position_embedding=none"
 }
 FIXES = {"film_default_init": True, "torch_init": True, "text_lr_scale": 0.1}
+# The same fixes through mm_fusion's own options (`vision_film_init`, `fusion_init`; `text_tower_lr_scale` is the
+# training argument `text_lr_scale` stands for here), as `scripts/train.py` sets them.
+OPTIONS = LATE_FILM_NO_POSITIONS | {
+    "config_overrides": LATE_FILM_NO_POSITIONS["config_overrides"] + ",vision_film_init=pytorch,fusion_init=pytorch",
+    "text_lr_scale": 0.1,
+}
 
 
 def build_variant(name: str) -> nn.Module:
@@ -474,6 +484,7 @@ def build_variant(name: str) -> nn.Module:
             **LATE_FILM_NO_POSITIONS, one_hot_text=True, film_init_std=0.15, torch_init=True
         ),
         "mm_fusion_film_flatten_fixes": lambda: MMFusion(**LATE_FILM_NO_POSITIONS, **FIXES),
+        "mm_fusion_film_flatten_options": lambda: MMFusion(**OPTIONS),
         "mm_fusion_film_fixes": lambda: MMFusion(
             config_overrides="vision_film=true,vision_position_embedding=none", **FIXES
         ),

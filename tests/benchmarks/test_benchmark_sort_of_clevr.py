@@ -53,8 +53,19 @@ def test_table_and_plot(tmp_path):
         name: {"run": name, "eval_accuracy": acc, "eval_accuracy_relational": rel,
                "eval_accuracy_non_relational": 0.99, **{f"eval_accuracy_{k}": v for k, v in families.items()},
                "wall_seconds": 600, "threads": 1}
-        for name, acc, rel in (("hierarchical", 0.96, 0.95), ("late", 0.8, 0.63))
+        for name, acc, rel in (("film", 0.96, 0.95), ("late", 0.8, 0.63))
     }  # fmt: skip
+    rows["film"]["curve"] = [
+        {"step": 10, "epoch": 0.5, "elapsed_seconds": 60.0, "eval_accuracy_relational": 0.9,
+         "eval_accuracy_non_relational": 0.99},
+        {"step": 20, "epoch": 1.0, "elapsed_seconds": 126.0, "eval_accuracy_relational": 0.95,
+         "eval_accuracy_non_relational": 0.98},
+    ]  # fmt: skip
+    rows["film"]["targets_reached"] = bench.time_to_targets(rows["film"]["curve"])
+    assert rows["film"]["targets_reached"] == {"step": 20, "epoch": 1.0, "elapsed_seconds": 126.0}
+    rows["late"]["curve"] = [{"step": 20, "epoch": 1.0, "eval_accuracy_relational": 0.63,
+                              "eval_accuracy_non_relational": 0.99}]  # fmt: skip
+    assert bench.time_to_targets(rows["late"]["curve"]) is None
     rows["question_only_ceiling"] = {"run": "question_only_ceiling", "eval_accuracy": 0.4}
     recalls = {f"eval_{d}_R@{k}": k / 100 + (d == "image_to_text") / 1000 for d in ("text_to_image", "image_to_text")
                for k in (1, 5, 10)}  # fmt: skip
@@ -62,20 +73,21 @@ def test_table_and_plot(tmp_path):
                         "wall_seconds": 1170}  # fmt: skip
     lines = bench.markdown(rows).splitlines()
     header = (
-        "| run | relational | non-relational | closest | furthest | count | shape | left | top | all | wall time |"
+        "| run | relational | non-relational | closest | furthest | count | shape | left | top | all "
+        "| targets reached | wall time |"
     )
-    assert lines[:2] == [header, "|" + "---|" * 11]
+    assert lines[:2] == [header, "|" + "---|" * 12]
     # Columns in the header's order: types, then the families, each row's overall accuracy and its wall time.
     assert lines[2] == (
-        "| hierarchical | 0.950 | 0.990 | 0.540 | 0.550 | 0.560 | 0.510 | 0.520 | 0.530 | 0.960 | "
-        "10.0 min, 1 thread(s), sharing the machine |"
+        "| film | 0.950 | 0.990 | 0.540 | 0.550 | 0.560 | 0.510 | 0.520 | 0.530 | 0.960 | "
+        "epoch 1, 2.1 min into training | 10.0 min, 1 thread(s), sharing the machine |"
     )
     assert lines[3].startswith("| late | 0.630 | 0.990 |") and lines[3].endswith(
-        "| 0.800 | 10.0 min, 1 thread(s), sharing the machine |"
+        "| 0.800 | no | 10.0 min, 1 thread(s), sharing the machine |"
     )
     assert (
-        lines[4]
-        == "| question_only_ceiling | nan | nan | nan | nan | nan | nan | nan | nan | 0.400 | computed from the data |"
+        lines[4] == "| question_only_ceiling | nan | nan | nan | nan | nan | nan | nan | nan | 0.400 | – "
+        "| computed from the data |"
     )
     assert lines[5:] == [
         "",
@@ -100,3 +112,20 @@ def test_question_only_ceiling_answers_each_question_with_its_most_frequent_trai
     assert row["eval_accuracy"] == pytest.approx(sum(right) / len(right))
     relational = [r for r, t in zip(right, test["question_type"]) if t == "relational"]
     assert row["eval_accuracy_relational"] == pytest.approx(sum(relational) / len(relational))
+
+
+def test_learning_curve_is_read_from_the_last_checkpoint(tmp_path):
+    """Checkpoints ordered by step (checkpoint-10 after checkpoint-9); only evaluation entries, their accuracies and
+    clock kept."""
+    assert bench.learning_curve(tmp_path) == []
+    for step in (9, 10):
+        history = [
+            {"step": 5, "loss": 1.0, "samples_per_second": 9.0},
+            {"step": 5, "epoch": 0.5, "elapsed_seconds": 3.0, "eval_loss": 0.5, "eval_accuracy": 0.4,
+             "eval_accuracy_relational": 0.3, "eval_runtime": 1.0},
+        ][: 1 + (step == 10)]  # fmt: skip
+        (tmp_path / f"checkpoint-{step}").mkdir()
+        (tmp_path / f"checkpoint-{step}" / "trainer_state.json").write_text(json.dumps({"log_history": history}))
+    assert bench.learning_curve(tmp_path) == [
+        {"step": 5, "epoch": 0.5, "elapsed_seconds": 3.0, "eval_accuracy": 0.4, "eval_accuracy_relational": 0.3}
+    ]
