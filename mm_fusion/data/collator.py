@@ -168,3 +168,74 @@ class ImageTextCollator:
                     f"row {row} of the images table holds {found!r}. The images table does not belong to these pairs "
                     "(was it filtered, shuffled or taken from another run?)."
                 )
+
+
+class StreamingCollator(ImageTextCollator):
+    """
+    Data collator for the streaming pairs of [`prepare_stream`]: every pair carries its own image as bytes (raw
+    uint8, JPEG or lossless WebP, `image_format`), decoded here (in the data loader's workers) into one uint8 batch.
+    The alignment check compares each image's CRC-32 with the one computed when the pair was prepared. Same outputs
+    and options as [`ImageTextCollator`], one image per pair; `image_rows` identifies images by their key's hash.
+    """
+
+    def __init__(
+        self,
+        image_size: int,
+        image_format: str = "uint8",
+        pad_token_id: int = 0,
+        pad_to_multiple_of: int | None = None,
+        image_transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        check_alignment: bool = True,
+        blank: str | None = None,
+    ):
+        from .streaming import IMAGE_FORMATS
+
+        if blank not in (None, "image", "text"):
+            raise ValueError(f"blank must be None, 'image' or 'text', got {blank!r}.")
+        if image_format not in IMAGE_FORMATS:
+            raise ValueError(f"image_format must be one of {IMAGE_FORMATS}, got {image_format!r}.")
+        self.image_size = image_size
+        self.image_format = image_format
+        self.image_shape = (3, image_size, image_size)
+        self.pad_token_id = pad_token_id
+        self.pad_to_multiple_of = pad_to_multiple_of
+        self.share_images = False
+        self.image_transform = image_transform
+        self.check_alignment = check_alignment
+        self.blank = blank
+
+    def __call__(self, features: list[dict[str, Any]]) -> dict[str, Any]:
+        import zlib
+
+        from .streaming import decode_pixels
+
+        if not features:
+            raise ValueError("StreamingCollator got an empty list of pairs; a batch needs at least one.")
+        missing = {"id", "image_bytes", "image_crc", "image_key", "input_ids"} - set(features[0])
+        if missing:
+            raise ValueError(f"The batch lacks {sorted(missing)}: pass the pairs of prepare_stream.")
+        pixel_values = _empty_uint8((len(features), *self.image_shape))
+        out = pixel_values.numpy()
+        for i, feature in enumerate(features):
+            data = feature["image_bytes"]
+            if self.check_alignment and zlib.crc32(data) != feature["image_crc"]:
+                raise AlignmentError(
+                    f"Sample {feature['id']!r} (shard {feature.get('shard')!r}, key {feature.get('key')!r}): its "
+                    "image bytes are not the ones prepared with its text (CRC-32 differs)."
+                )
+            decode_pixels(data, self.image_size, self.image_format, out=out[i])
+        if self.image_transform is not None:
+            pixel_values = torch.stack([self.image_transform(image) for image in pixel_values])
+        if self.blank == "image":
+            pixel_values.zero_()
+        batch = {"pixel_values": pixel_values}
+        texts = [f["input_ids"] for f in features]
+        if self.blank == "text":
+            texts = [[t[0], t[-1]] if len(t) > 1 else list(t) for t in texts]
+        batch.update(self._pad(texts))
+        if "labels" in features[0]:
+            batch["labels"] = torch.tensor([f["labels"] for f in features], dtype=torch.long)
+        keys = [f["image_key"] for f in features]
+        batch["image_rows"] = torch.tensor([zlib.crc32(k.encode()) for k in keys], dtype=torch.long)
+        batch["sample_ids"] = [str(f["id"]) for f in features]
+        return batch

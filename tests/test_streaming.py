@@ -1,0 +1,256 @@
+"""Streaming pairs (mm_fusion.data.streaming): webdataset shards, jsonl + image folders and `datasets` streaming
+sources through the same validation, per-shard quarantine, truncated shards, rank splitting, exact resume, mixing."""
+
+import json
+import os
+import tarfile
+from collections import Counter
+
+import pytest
+import torch
+from datasets import Dataset, IterableDataset
+from helpers.launch import run_worker
+from helpers.shards import LABELS, tokenizer, write_jsonl, write_shards
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+from mm_fusion.data import (
+    AlignmentError,
+    ShuffledStream,
+    StreamingCollator,
+    decode_pixels,
+    encode_pixels,
+    prepare_stream,
+    read_quarantine,
+)
+from mm_fusion.data.streaming import _safe_name, mix_streams
+from mm_fusion.image_processing_mm_fusion import load_pixels
+
+
+SIZE = 8
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return tokenizer()
+
+
+def test_webdataset_shards_validated_with_bad_rows_quarantined_per_shard(tmp_path, tok):
+    shards = write_shards(str(tmp_path / "wds"), shards=3, rows=12, bad_every=5)
+    report = tmp_path / "quarantine"
+    stream = prepare_stream(
+        shards["paths"],
+        tok,
+        id_column="uid",
+        label_column="answer",
+        label_names=LABELS,
+        image_size=SIZE,
+        quarantine_dir=report,
+    )
+    assert isinstance(stream, IterableDataset) and stream.num_shards == 3
+    rows = list(stream)
+    assert [r["id"] for r in rows] == shards["good"]  # every good row once, in shard order, none lost
+    first = rows[0]
+    assert first["input_ids"] == tok(first_text(shards["paths"][0]))["input_ids"]
+    assert first["labels"] == 0 and rows[1]["labels"] == 1
+    expected = load_pixels(read_member(shards["paths"][0], "sample000000.png"), SIZE)
+    assert (decode_pixels(first["image_bytes"], SIZE) == expected).all()  # the processor's own pixels
+    entries = read_quarantine(report)
+    assert {e["id"]: e["reason"].split(":")[0] for e in entries} == shards["bad"]
+    for entry in entries:  # the report names the shard and the key within it
+        assert entry["shard"] in shards["paths"] and entry["key"].startswith("sample")
+    # one report per shard, named after it (an empty one for a clean shard), rewritten on every pass
+    assert sorted(os.listdir(report)) == sorted(_safe_name(p) + ".jsonl" for p in shards["paths"])
+    list(stream)
+    assert len(read_quarantine(report)) == len(entries)
+
+
+def first_text(path: str) -> str:
+    return read_member(path, "sample000000.txt").decode()
+
+
+def read_member(path: str, name: str) -> bytes:
+    with tarfile.open(path) as tar:
+        return tar.extractfile(name).read()
+
+
+@pytest.mark.parametrize("cut", ["mid_member", "member_boundary", "missing"])
+def test_a_truncated_or_missing_shard_is_reported_and_skipped(tmp_path, tok, cut):
+    shards = write_shards(str(tmp_path / "wds"), shards=3, rows=6)
+    damaged = shards["paths"][1]
+    with tarfile.open(damaged) as tar:
+        members = tar.getmembers()
+    if cut == "missing":
+        os.remove(damaged)
+    else:
+        # mid-member: inside the fourth file's data; member boundary: exactly after the sixth file, which a tar
+        # reader takes for a shorter archive (only the missing end-of-archive marker tells)
+        size = members[3].offset_data + 5 if cut == "mid_member" else members[6].offset
+        with open(damaged, "r+b") as f:
+            f.truncate(size)
+    rows = list(prepare_stream(shards["paths"], tok, id_column="uid", image_size=SIZE, quarantine_dir=tmp_path / "q"))
+    lost = set(shards["good"][6:12])
+    assert [r["id"] for r in rows] == [uid for uid in shards["good"] if uid not in lost]  # the other shards whole
+    (entry,) = read_quarantine(tmp_path / "q")
+    assert entry["shard"] == damaged and entry["reason"].startswith("bad_shard:")
+    assert ("truncated" in entry["reason"]) == (cut != "missing") or "not a readable tar" in entry["reason"]
+
+
+def test_jsonl_with_image_folder_through_the_same_validation(tmp_path, tok):
+    pairs = write_jsonl(str(tmp_path / "jsonl"), rows=6, files=2)
+    stream = prepare_stream(
+        pairs["paths"],
+        tok,
+        id_column="uid",
+        text_column="question",
+        label_column="answer",
+        label_names=LABELS,
+        image_size=SIZE,
+        quarantine_dir=tmp_path / "q",
+    )
+    assert stream.num_shards == 2
+    assert [r["id"] for r in stream] == pairs["good"]
+    entries = read_quarantine(tmp_path / "q")
+    reasons = {e["id"] if not e["id"].endswith("line 4") else "line 4": e["reason"].split(":")[0] for e in entries}
+    assert reasons == pairs["bad"]
+    assert all(e["shard"] == pairs["paths"][0] and e["key"].startswith("line ") for e in entries)
+
+
+def test_a_datasets_streaming_source_keeps_its_shards_and_unknown_labels_are_quarantined(tmp_path, tok):
+    pairs = write_jsonl(str(tmp_path / "jsonl"), rows=5, files=3)
+    rows = [json.loads(line) for path in pairs["paths"] for line in open(path) if line.strip().endswith("}")]
+    for row in rows:
+        row["image"] = os.path.join(tmp_path, "jsonl", row["image"])
+    rows[-1]["answer"] = "maybe"
+    source = Dataset.from_list(rows).to_iterable_dataset(num_shards=3)
+    stream = prepare_stream(
+        source,
+        tok,
+        id_column="uid",
+        text_column="question",
+        label_column="answer",
+        label_names=LABELS,
+        image_size=SIZE,
+        quarantine_dir=tmp_path / "q",
+    )
+    assert stream.num_shards == 3
+    ids = [r["id"] for r in stream]
+    assert ids == [uid for uid in pairs["good"] if uid != rows[-1]["uid"]]
+    reasons = {e["id"]: e["reason"] for e in read_quarantine(tmp_path / "q")}
+    assert reasons[rows[-1]["uid"]] == "bad_label: 'maybe' is not one of the 2 labels"
+    assert all("[shard " in e["shard"] for e in read_quarantine(tmp_path / "q"))
+
+
+def test_streaming_collator_checks_each_image_against_its_pair(tmp_path, tok):
+    shards = write_shards(str(tmp_path / "wds"), shards=1, rows=4)
+    rows = list(prepare_stream(shards["paths"], tok, id_column="uid", image_size=SIZE))
+    batch = StreamingCollator(image_size=SIZE, pad_token_id=tok.pad_token_id)(rows)
+    assert batch["pixel_values"].dtype == torch.uint8 and batch["pixel_values"].shape == (4, 3, SIZE, SIZE)
+    assert batch["sample_ids"] == shards["good"] and batch["attention_mask"].sum(1).tolist() == [
+        len(r["input_ids"]) for r in rows
+    ]
+    rows[2] = {**rows[2], "image_bytes": rows[3]["image_bytes"]}  # a pair given another pair's image
+    with pytest.raises(AlignmentError, match=r"'u2'.*CRC-32"):
+        StreamingCollator(image_size=SIZE)(rows)
+
+
+@pytest.mark.parametrize("image_format", ["jpeg", "webp"])
+def test_compressed_image_bytes(image_format):
+    pixels = load_pixels(write_png(), 32)
+    data = encode_pixels(pixels, image_format)
+    assert len(data) < pixels.nbytes
+    decoded = decode_pixels(data, 32, image_format)
+    assert decoded.shape == pixels.shape and decoded.dtype == pixels.dtype
+    if image_format == "webp":
+        assert (decoded == pixels).all()  # lossless: the exact pixels
+    else:
+        assert abs(decoded.astype(int) - pixels).mean() < 2
+
+
+def write_png() -> bytes:
+    """A smooth picture (JPEG's case; noise is its worst)."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    y, x = np.mgrid[0:40, 0:40]
+    picture = np.stack([x * 6, y * 6, (x + y) * 3], axis=-1).astype(np.uint8)
+    buffer = io.BytesIO()
+    Image.fromarray(picture).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def _ids(batch):
+    return [row["id"] for row in batch]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_shuffled_stream_resumes_exactly_mid_pass(tmp_path, tok, workers):
+    """Stopped after `cut` batches, a new loader given the state continues with the very batches the uninterrupted
+    one yields, across the end of a pass, buffer included (datasets' own buffer shuffle would refill it)."""
+    shards = write_shards(str(tmp_path / "wds"), shards=4, rows=15, bad_every=7)
+
+    def loader():
+        stream = prepare_stream(shards["paths"], tok, id_column="uid", image_size=SIZE)
+        return StatefulDataLoader(
+            ShuffledStream(stream, buffer_size=10, seed=3, passes=2),
+            batch_size=4,
+            num_workers=workers,
+            collate_fn=_ids,
+        )
+
+    full = list(loader())
+    one_pass = [uid for batch in full for uid in batch][: len(shards["good"])]
+    if workers == 0:
+        assert sorted(one_pass) == sorted(shards["good"]) and one_pass != shards["good"]  # shuffled, all there
+    for cut in (2, 9, len(full) // 2 + 1):
+        interrupted = loader()
+        iterator = iter(interrupted)
+        first = [next(iterator) for _ in range(cut)]
+        state = json.loads(json.dumps(interrupted.state_dict()))  # as saved in a checkpoint
+        del iterator, interrupted
+        resumed = loader()
+        resumed.load_state_dict(state)
+        assert first + list(resumed) == full, cut
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    "shards,strategy",
+    [(4, "shards"), (5, "shards"), (1, "examples")],
+    ids=["even", "uneven", "fewer_shards_than_ranks"],
+)
+def test_two_ranks_see_every_good_pair_exactly_once(tmp_path, shards, strategy):
+    made = write_shards(str(tmp_path / "wds"), shards=shards, rows=9, bad_every=4)
+    output = tmp_path / "out"
+    output.mkdir()
+    run_worker("streaming_worker", tmp_path / "wds", output, 6, processes=2, timeout=300)
+    seen = [json.loads((output / f"rank{r}.json").read_text()) for r in range(2)]
+    assert [s["strategy"] for s in seen] == [strategy] * 2
+    ids = seen[0]["ids"] + seen[1]["ids"]
+    assert Counter(ids).most_common(1)[0][1] == 1  # no pair twice
+    assert sorted(ids) == sorted(made["good"])  # every good pair
+    assert seen[0]["ids"] and seen[1]["ids"]  # no rank without data
+    if strategy == "shards":  # whole shards per rank: ⌊n/2⌋ or ⌈n/2⌉ of them
+        shards_of = [{int(uid[1:]) // 9 for uid in rank["ids"]} for rank in seen]
+        assert not shards_of[0] & shards_of[1]
+        assert sorted(len(s) for s in shards_of) == [shards // 2, shards - shards // 2]
+
+
+def test_mixing_ratios_hold_within_two_percent_over_10k_samples():
+    def rows(name, n):
+        for i in range(n):
+            yield {"id": f"{name}-{i}"}
+
+    sources = [
+        IterableDataset.from_generator(rows, gen_kwargs={"name": name, "n": n})
+        for name, n in (("a", 3000), ("b", 9000), ("c", 500))
+    ]
+    mixed = mix_streams(sources, [0.6, 0.3, 0.1], seed=0)
+    counts = Counter(row["id"].split("-")[0] for _, row in zip(range(10_000), mixed))
+    for name, ratio in zip("abc", (0.6, 0.3, 0.1)):
+        assert abs(counts[name] / 10_000 - ratio) <= 0.02, counts
+    with pytest.raises(ValueError, match="ratios"):
+        mix_streams(sources, [0.5, 0.5])
+    with pytest.raises(ValueError, match="ratios"):
+        mix_streams(sources, [1, -1, 1])
