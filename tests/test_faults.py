@@ -24,6 +24,7 @@ from PIL import Image
 from safetensors.torch import load_file
 
 from mm_fusion import MMFusionForImageTextClassification
+from mm_fusion.data import read_quarantine
 from mm_fusion.training import CheckpointError, resolve_resume_checkpoint, setup_run, train_and_save
 
 
@@ -416,3 +417,47 @@ def test_bad_rows_in_a_users_jsonl_are_reported_and_every_good_row_is_trained_on
         stored = pixels[f"path:{row['image']}"].transpose(1, 2, 0).astype(int)
         tolerance = 3 if sample_id.endswith(".jpg") else 0
         assert np.abs(stored - expected).max() <= tolerance, sample_id
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_streaming_run_sigkilled_mid_pass_resumes_with_the_same_batches_and_losses(tmp_path, workers):
+    """A `--streaming` run over 4 webdataset shards (48 samples, 8 bad), a shuffle buffer of 10, batches of 8 (5
+    per pass), 14 steps (almost 3 passes), a checkpoint every 4 steps. SIGKILLed at step 10 and resumed with `last`
+    from checkpoint-8, 3 batches into the second pass with a full buffer: the batches from step 9 on, every logged loss
+    and the final weights equal the uninterrupted run's (the stream's state, buffer included, is in each checkpoint:
+    stream_state_rank0.json)."""
+    from helpers.shards import write_shards
+
+    shards = write_shards(str(tmp_path / "shards"), shards=4, rows=12, bad_every=6)
+    flags = [*TINY_MODEL, "--patch_size", "8", "--logging_steps", "1", "--seed", "7", "--streaming",
+             "--dataset", str(tmp_path / "shards" / "*.tar"), "--class_names", "no,yes", "--label_column", "answer",
+             "--id_column", "uid", "--per_device_train_batch_size", "8", "--max_steps", "14", "--save_steps", "4",
+             "--eval_strategy", "no", "--shuffle_buffer_size", "10",
+             "--dataloader_num_workers", str(workers)]  # fmt: skip
+    reference, out = tmp_path / "reference", tmp_path / "run"
+    code, output, _ = run_worker(tmp_path / "reference.jsonl", "none", [*flags, "--output_dir", str(reference)])
+    assert code == 0, output[-3000:]
+    code, output, _ = run_worker(tmp_path / "killed.jsonl", "kill@10", [*flags, "--output_dir", str(out)])
+    assert code == -signal.SIGKILL, output[-3000:]
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-4", "checkpoint-8"]
+    assert (out / "checkpoint-8" / "stream_state_rank0.json").is_file()
+    code, output, _ = run_worker(
+        tmp_path / "resumed.jsonl", "none", [*flags, "--output_dir", str(out), "--resume_from_checkpoint", "last"]
+    )
+    assert code == 0, output[-3000:]
+
+    expected = read_records(tmp_path / "reference.jsonl")
+    killed, resumed = read_records(tmp_path / "killed.jsonl"), read_records(tmp_path / "resumed.jsonl")
+    assert killed[-1]["step"] == 10 and resumed[0]["step"] == 9
+    assert [r for r in killed if r["step"] <= 8] + resumed == expected
+    # The first 40 pairs read are the 40 good ones, each once (one pass), in an order that is not the shards'.
+    first_pass = [i for r in expected for i in r["ids"]][:40]
+    assert sorted(first_pass) == sorted(shards["good"]) and first_pass != shards["good"]
+    reference_losses, resumed_losses = losses(reference), losses(out)
+    assert [s for s, _ in resumed_losses] == list(range(1, 15))
+    torch.testing.assert_close(resumed_losses, reference_losses, rtol=1e-6, atol=1e-7)
+    final, expected_weights = load_file(out / "model.safetensors"), load_file(reference / "model.safetensors")
+    for name, value in expected_weights.items():
+        torch.testing.assert_close(final[name], value, rtol=0, atol=1e-7, msg=name)
+    reports = {e["id"]: e["reason"].split(":")[0] for e in read_quarantine(out / "quarantine")}
+    assert reports == shards["bad"]

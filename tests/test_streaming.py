@@ -254,3 +254,21 @@ def test_mixing_ratios_hold_within_two_percent_over_10k_samples():
         mix_streams(sources, [0.5, 0.5])
     with pytest.raises(ValueError, match="ratios"):
         mix_streams(sources, [1, -1, 1])
+
+
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        ([], "needs --max_steps"),
+        (["--max_steps", "5", "--save_strategy", "epoch"], "save_strategy epoch"),
+        (["--max_steps", "5", "--task", "vqa"], "needs --class_names"),
+        (["--max_steps", "5", "--class_names", "a,b", "--group_by_image", "True"], "no group_by_image"),
+        (["--max_steps", "5", "--class_names", "a,b", "--image_format", "png"], "--image_format"),
+    ],
+)
+def test_streaming_flags_are_checked_before_any_work(tmp_path, flags, message):
+    from mm_fusion.training import MMFusionArgumentParser
+
+    argv = ["--streaming", "--dataset", str(tmp_path / "*.tar"), "--output_dir", str(tmp_path / "out"), *flags]
+    with pytest.raises(ValueError, match=message):
+        MMFusionArgumentParser().parse_args_and_config(argv)

@@ -187,6 +187,32 @@ class DataArguments:
         metadata={"help": "none; image_only (texts blanked to [CLS] [SEP]); text_only (images blanked to black)."},
     )
 
+    streaming: bool = field(
+        default=False,
+        metadata={
+            "help": "Stream --dataset instead of preprocessing it into the Arrow cache: webdataset .tar shards "
+            "(paths, globs, shard-{000..099}.tar), .jsonl files (images relative to --data_root, default each file's "
+            "folder) "
+            "or a `load_dataset` name / folder read with streaming=True. Each shard is validated as it is read (bad "
+            "rows reported in output_dir/quarantine/<shard>.jsonl), ranks read their own shards, and --max_steps "
+            "sets the length of the run. --eval_dataset is read once into the Arrow cache."
+        },
+    )
+    shuffle_buffer_size: int = field(
+        default=1000, metadata={"help": "--streaming: rows in each process's shuffle buffer (exactly resumable)."}
+    )
+    class_names: str | None = field(
+        default=None,
+        metadata={
+            "help": "--streaming with vqa / classify: the class names, comma-separated, or a file with one per line "
+            "(a stream cannot be scanned for them up front). Labels in the data are names or class indices."
+        },
+    )
+    image_format: str = field(
+        default="uint8",
+        metadata={"help": "--streaming: how prepared images travel from the loader's workers: uint8, jpeg or webp."},
+    )
+
     def __post_init__(self):
         if self.ablation not in ABLATIONS:
             raise ValueError(f"--ablation must be one of {', '.join(ABLATIONS)}, got {self.ablation!r}.")
@@ -326,6 +352,33 @@ class MMFusionTrainingArguments(TrainingArguments):
         return TrainingArguments._setup_devices.func(self)
 
 
+def check_streaming(model_args, data_args, training_args) -> None:
+    """What a streaming run needs, as clear errors before any work: a length in steps, evaluation and checkpoints by
+    steps (ranks end their passes at different times), and the class names of a classification task."""
+    if training_args.max_steps is None or training_args.max_steps <= 0:
+        raise ValueError(
+            "--streaming needs --max_steps: a stream has no length to count epochs by, and ranks end their passes at "
+            "different times."
+        )
+    for name in ("eval_strategy", "save_strategy"):
+        if str(getattr(getattr(training_args, name), "value", getattr(training_args, name))) == "epoch":
+            raise ValueError(f"--streaming: --{name} epoch has no meaning for a stream; use steps.")
+    if model_args.task != "pretrain" and not data_args.class_names:
+        raise ValueError(f"--streaming with task {model_args.task!r} needs --class_names (the class names).")
+    if data_args.validation_split_percentage or data_args.max_train_samples:
+        raise ValueError(
+            "--validation_split_percentage / --max_train_samples need the whole data; with --streaming, "
+            "give --eval_dataset and --max_steps."
+        )
+    if data_args.image_format not in ("uint8", "jpeg", "webp"):
+        raise ValueError(f"--image_format must be uint8, jpeg or webp, got {data_args.image_format!r}.")
+    if training_args.group_by_image or training_args.train_sampling_strategy != "random":
+        raise ValueError(
+            "--streaming reads pairs in stream order (shuffled by a buffer): no group_by_image or "
+            "train_sampling_strategy other than random."
+        )
+
+
 class MMFusionArgumentParser(HfArgumentParser):
     """
     `HfArgumentParser` over [`ModelArguments`], [`DataArguments`] and [`MMFusionTrainingArguments`] that also reads a
@@ -362,6 +415,8 @@ class MMFusionArgumentParser(HfArgumentParser):
         model_args, data_args, training_args = self.parse_args_into_dataclasses(args=argv)
         check_launch(training_args)
         task = model_args.task
+        if training_args.group_by_image is None and data_args.streaming:
+            training_args.group_by_image = False
         if training_args.group_by_image is None:
             # Batches of one image's questions encode it once; for pretraining they would be each other's negatives.
             random_order = training_args.train_sampling_strategy == "random"
@@ -372,6 +427,8 @@ class MMFusionArgumentParser(HfArgumentParser):
             # "Best" is the task's metric (TrainingArguments alone would pick the evaluation loss).
             training_args.metric_for_best_model = MAIN_METRICS[task]
             training_args.greater_is_better = True
+        if data_args.streaming:
+            check_streaming(model_args, data_args, training_args)
         training_args.resume_from_checkpoint = resolve_resume_checkpoint(
             training_args.resume_from_checkpoint, training_args.output_dir
         )

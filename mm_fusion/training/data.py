@@ -47,6 +47,10 @@ class TrainingData:
 
 def load_training_data(model_args: ModelArguments, data_args: DataArguments, training_args) -> TrainingData:
     """Load the pairs the arguments name, check their columns and evaluation set, and encode their labels."""
+    if data_args.streaming:
+        from .streaming import load_streaming_data
+
+        return load_streaming_data(model_args, data_args, training_args)
     task = model_args.task
     data = load_raw_datasets(data_args, seed=training_args.seed, task=task)
     check_columns(data, data_args, task)
@@ -62,6 +66,10 @@ def load_training_data(model_args: ModelArguments, data_args: DataArguments, tra
 
 def tokenizer_texts(data: TrainingData, data_args: DataArguments) -> list[str]:
     """The texts a tokenizer trained for this run learns its vocabulary from."""
+    if data_args.streaming:
+        from .streaming import stream_texts
+
+        return stream_texts(data.datasets["train"], data_args.text_column)
     texts = list(data.datasets["train"][data_args.text_column])
     if data_args.dataset == "sort_of_clevr":
         # Its vocabulary is fixed by the generator: a tokenizer trained on captions then covers the questions it is

@@ -174,6 +174,9 @@ def model_card_context(
     description, pipeline_tag, head = TASK_DESCRIPTIONS[task]
     train_pairs = prepared.pairs["train"]
     eval_pairs = prepared.pairs["eval"] if "eval" in prepared.pairs else None
+    per_step = training_args.per_device_train_batch_size * training_args.gradient_accumulation_steps
+    global_batch = per_step * training_args.world_size
+    streamed = trainer.state.global_step * global_batch if data_args.streaming else None
     easy = data_args.dataset == "easy_vqa"
     precision = "bf16" if training_args.bf16 else "fp16" if training_args.fp16 else "fp32"
     args = sys.argv[1:] if argv is None else argv
@@ -211,9 +214,10 @@ def model_card_context(
             else f"Pairs from `{data_args.dataset}`."
         ),
         "eval_split": data_args.eval_split if easy or data_args.eval_split else "eval",
-        "train_pairs": len(train_pairs),
+        # A stream has no length: the pairs read in training (steps x global batch) stand in for it.
+        "train_pairs": len(train_pairs) if streamed is None else streamed,
         "eval_pairs": len(eval_pairs) if eval_pairs is not None else 0,
-        "train_images": len(set(train_pairs["image_index"])),
+        "train_images": len(set(train_pairs["image_index"])) if streamed is None else streamed,
         "quarantined": len(prepared.quarantine),
         "image_mean": [round(x, 3) for x in config.image_mean],
         "image_std": [round(x, 3) for x in config.image_std],

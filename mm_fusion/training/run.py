@@ -37,9 +37,15 @@ def build_trainer(
     task = model_args.task
     tokenizer = processor.tokenizer
     image_size = processor.image_processor.size["height"]  # what the processor serves, the cache holds
-    prepared = prepare_training_data(data, tokenizer, image_size, task, data_args, training_args)
+    if data_args.streaming:
+        from .streaming import build_streaming_collators, prepare_streaming_data
+
+        prepared = prepare_streaming_data(data, tokenizer, image_size, task, data_args, training_args)
+        train_collator, eval_collator = build_streaming_collators(tokenizer.pad_token_id, image_size, data_args)
+    else:
+        prepared = prepare_training_data(data, tokenizer, image_size, task, data_args, training_args)
+        train_collator, eval_collator = build_collators(prepared, tokenizer.pad_token_id, task, data_args)
     train_pairs, eval_pairs = prepared.pairs["train"], prepared.pairs.get("eval")
-    train_collator, eval_collator = build_collators(prepared, tokenizer.pad_token_id, task, data_args)
     if task == "pretrain":
         compute_metrics, preprocess_logits = retrieval_metrics(), None
     else:
@@ -64,12 +70,13 @@ def build_trainer(
         trainer.add_callback(EarlyStoppingCallback(early_stopping_patience=training_args.early_stopping_patience))
     if trainer.is_world_process_zero():
         logger.info(
-            "task %s, fusion %s, %.2fM parameters; train %d pairs / %d images, eval %s pairs; %s; %d torch threads",
+            "task %s, fusion %s, %.2fM parameters; train %s, eval %s pairs; %s; %d torch threads",
             task,
             model.config.fusion_type,
             sum(p.numel() for p in model.parameters()) / 1e6,
-            len(train_pairs),
-            len(prepared.images),
+            f"{len(train_pairs)} pairs / {len(prepared.images)} images"
+            if not data_args.streaming
+            else f"streamed from {len(data.datasets['train'].shards)} shards",
             len(eval_pairs) if eval_pairs is not None else 0,
             f"ablation {data_args.ablation}" if data_args.ablation != "none" else "no ablation",
             torch.get_num_threads(),

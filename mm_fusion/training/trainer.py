@@ -18,6 +18,9 @@ from .sampler import MMFusionImageGroupedSampler, MMFusionLengthGroupedSampler
 LOSS_TOTAL_FILE = "train_loss_total.json"
 # The pretraining loss terms logged next to the loss (training) and `eval_loss` (evaluation).
 LOSS_COMPONENTS = ("itc_loss", "itm_loss")
+# Written into each checkpoint by every rank of a streaming run: its data loader's state (torchdata's
+# StatefulDataLoader, with the stream's own), from which the resumed run reads on exactly where this one was.
+STREAM_STATE_FILE = "stream_state_rank{rank}.json"
 
 logger = logging.get_logger(__name__)
 
@@ -60,9 +63,15 @@ class MMFusionTrainer(Trainer):
         self._train_components = {}  # summed ITC / ITM terms of the steps since the last log, scaled as the loss
         self._components_since_step = 0
         self._eval_components = None  # per-sample ITC / ITM losses of the running evaluation
+        self._stream_resume = None  # the checkpoint a streaming run resumes from
+        self._stream_loader = None
 
     def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs):
         self.resumed_from_step = self._resumed_loss_sum = None
+        self._stream_resume = resume_from_checkpoint if isinstance(resume_from_checkpoint, str) else None
+        if self._is_streaming():
+            # The stream's saved state puts it where it was; Trainer's own fast-forward would skip batches again.
+            self.args.ignore_data_skip = True
         if isinstance(resume_from_checkpoint, str):
             with open(os.path.join(resume_from_checkpoint, "trainer_state.json")) as f:
                 self.resumed_from_step = json.load(f)["global_step"]
@@ -85,6 +94,14 @@ class MMFusionTrainer(Trainer):
     def _save_checkpoint(self, model, trial):
         # Before Trainer's own files, so that `trainer_state.json` stays the last file written (the sign of a
         # finished save that `checkpoint_problem` looks for).
+        folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        if self._is_streaming() and getattr(self, "_stream_loader", None) is not None:
+            # Every rank writes its own stream's state (ranks read different shards); then the main process goes on.
+            os.makedirs(folder, exist_ok=True)
+            state = self._stream_loader.state_dict()
+            with open(os.path.join(folder, STREAM_STATE_FILE.format(rank=self.args.process_index)), "w") as f:
+                json.dump(state, f)
+            self.accelerator.wait_for_everyone()
         if self.args.should_save:
             # Trainer drains the losses of logged steps into `_total_loss_scalar`; `_tr_loss` holds the rest.
             total = (self._resumed_loss_sum or 0.0) + self._total_loss_scalar + self._tr_loss.item()
@@ -130,6 +147,55 @@ class MMFusionTrainer(Trainer):
                 group["params"] = [p for p in group["params"] if id(p) not in text_ids]
                 optimizer.add_param_group({**group, "params": text, "lr": group["lr"] * scale})
         return optimizer
+
+    def _is_streaming(self) -> bool:
+        from ..data import ShuffledStream
+
+        return isinstance(self.train_dataset, ShuffledStream)
+
+    def get_train_dataloader(self):
+        """
+        A streaming run's training loader: torchdata's `StatefulDataLoader` (through accelerate, as
+        `use_stateful_dataloader=True` builds it) over this rank's own stream. Accelerate's `prepare` is told there
+        is one process: the stream is already this rank's part (`split_by_rank`), and accelerate would otherwise cut
+        it again or have rank 0 read and send every batch. On resume the loader takes the rank's saved state.
+        """
+        if not self._is_streaming():
+            return super().get_train_dataloader()
+        from accelerate.data_loader import prepare_data_loader
+        from torchdata.stateful_dataloader import StatefulDataLoader
+
+        args = self.args
+        workers = args.dataloader_num_workers
+        loader = StatefulDataLoader(
+            self.train_dataset,
+            batch_size=self._train_batch_size,
+            collate_fn=self.data_collator,
+            num_workers=workers,
+            pin_memory=args.dataloader_pin_memory,
+            persistent_workers=args.dataloader_persistent_workers and workers > 0,
+            prefetch_factor=args.dataloader_prefetch_factor if workers > 0 else None,
+        )
+        loader = prepare_data_loader(
+            loader,
+            device=args.device,
+            num_processes=1,
+            process_index=0,
+            put_on_device=True,
+            dispatch_batches=False,
+            use_stateful_dataloader=True,
+        )
+        if self._stream_resume is not None:
+            path = os.path.join(self._stream_resume, STREAM_STATE_FILE.format(rank=args.process_index))
+            if not os.path.isfile(path):
+                raise FileNotFoundError(
+                    f"{path} is missing: {self._stream_resume} was not written by a streaming run of "
+                    f"{args.world_size} process(es), so the stream cannot be put back where it was."
+                )
+            with open(path) as f:
+                loader.load_state_dict(json.load(f))
+        self._stream_loader = loader
+        return loader
 
     def _get_dataloader(self, dataset, description, batch_size, sampler_fn=None, is_training=False, **kwargs):
         """Evaluation and prediction use `eval_data_collator` when given (e.g. the training one augments)."""
