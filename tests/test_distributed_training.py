@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.launch import run_worker
+from helpers.launch import run_worker, start_nodes
 
 
 pytestmark = pytest.mark.distributed
@@ -59,3 +59,57 @@ def test_metrics_see_each_evaluation_pair_once(runs):
     assert one[0]["eval_predictions"] == [13]
     metric = "eval_mean_recall" if task == "pretrain" else "eval_accuracy"
     assert two[0]["results"][metric] == pytest.approx(one[0]["results"][metric], abs=1e-6)
+
+
+def launch_two_nodes(root: Path, task: str, per_node: int, batch_size: int) -> list[dict]:
+    """Two "nodes" on this machine (helpers.launch.start_nodes), `per_node` processes each, each node with its own
+    datasets cache and output directory (node-local disks). Returns every rank's record and each node's image-decode
+    log."""
+    for node in range(2):
+        (root / f"node{node}" / "cache").mkdir(parents=True)
+    processes = start_nodes(
+        "distributed_train_worker",
+        lambda node: [root / f"node{node}", task, batch_size],
+        lambda node: {
+            "HF_DATASETS_CACHE": str(root / f"node{node}" / "cache"),
+            "MM_FUSION_DECODE_LOG": str(root / f"node{node}" / "decodes.txt"),
+        },
+        per_node=per_node,
+    )
+    outputs = [p.communicate(timeout=600)[0] for p in processes]
+    for p, output in zip(processes, outputs):
+        assert p.returncode == 0, output[-5000:]
+    records = []
+    for rank in range(2 * per_node):
+        node = rank // per_node
+        records.append(torch.load(root / f"node{node}" / f"rank{rank}.pt"))
+    decodes = [(root / f"node{node}" / "decodes.txt").read_text().split() for node in range(2)]
+    return records, decodes
+
+
+def test_two_simulated_nodes_preprocess_once_each_and_train_like_one_node(runs, tmp_path):
+    """2 nodes x 1 process against the one-node 2-process run of `runs` (same global batch 16): each node's
+    cache is filled once, by its local main process; both ranks end with equal weights, equal to the one-node run's.
+    The tokenizer is trained on rank 0 and sent to node 1, which has no access to node 0's output directory."""
+    task, two, _ = runs
+    nodes, decodes = launch_two_nodes(tmp_path, task, per_node=1, batch_size=8)
+    # 32 training pairs + 13 evaluation pairs of easy-VQA: the distinct images among them, decoded once per node.
+    assert len(decodes[0]) == len(decodes[1]) > 0
+    assert decodes == [["0"] * len(decodes[0]), ["1"] * len(decodes[1])]
+    assert not (tmp_path / "node1" / "run" / "tokenizer").exists()  # node 1 never read node 0's disk
+    for name, value in nodes[0]["state_dict"].items():
+        assert torch.equal(nodes[1]["state_dict"][name], value), name
+        torch.testing.assert_close(value, two[0]["state_dict"][name], rtol=0, atol=1e-6, msg=name)
+    torch.testing.assert_close(torch.tensor(nodes[0]["losses"]), torch.tensor(two[0]["losses"]), rtol=1e-6, atol=0)
+
+
+def test_two_nodes_of_two_processes_each_node_preprocesses_once(tmp_path):
+    """2 nodes x 2 processes: on each node the local main process decodes every image once and its other process
+    waits and reads that node's cache; all four ranks end with the same weights."""
+    nodes, decodes = launch_two_nodes(tmp_path, "vqa", per_node=2, batch_size=4)
+    assert len(decodes[0]) == len(decodes[1]) > 0
+    assert decodes == [["0"] * len(decodes[0]), ["2"] * len(decodes[1])]  # node 1's local main is global rank 2
+    for rank in nodes[1:]:
+        for name, value in nodes[0]["state_dict"].items():
+            assert torch.equal(rank["state_dict"][name], value), name
+    assert nodes[0]["world_size"] == 4

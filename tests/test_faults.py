@@ -18,7 +18,7 @@ import numpy as np
 import psutil
 import pytest
 import torch
-from helpers.launch import worker_command, worker_env
+from helpers.launch import start_nodes, worker_command, worker_env
 from helpers.training import TINY_MODEL, correct_by_hand, train
 from PIL import Image
 from safetensors.torch import load_file
@@ -461,3 +461,60 @@ def test_streaming_run_sigkilled_mid_pass_resumes_with_the_same_batches_and_loss
         torch.testing.assert_close(final[name], value, rtol=0, atol=1e-7, msg=name)
     reports = {e["id"]: e["reason"].split(":")[0] for e in read_quarantine(out / "quarantine")}
     assert reports == shards["bad"]
+
+
+def _run_nodes(root: Path, pairs: Path, fault: str, extra: list[str], record: str, timeout: float = 300):
+    """Two simulated nodes (helpers.launch.start_nodes), one fault-worker process each, each with its own datasets
+    cache and output directory, checkpoints saved on each node. Returns each node's exit code and output, and the
+    seconds from the fault to the end of the slower node."""
+    flags = [*user_flags(pairs), *TINY, "--per_device_train_batch_size", "8", "--num_train_epochs", "3",
+             "--save_steps", "4", "--eval_strategy", "no", "--save_on_each_node", "True", "--ddp_timeout", "20",
+             *extra]  # fmt: skip
+    for node in range(2):
+        (root / f"node{node}" / "cache").mkdir(parents=True, exist_ok=True)
+    processes = start_nodes(
+        "fault_worker",
+        lambda node: [root / f"node{node}" / record, fault, *flags, "--output_dir", root / f"node{node}" / "run"],
+        lambda node: {"HF_DATASETS_CACHE": str(root / f"node{node}" / "cache")},
+    )
+    outputs = []
+    for process in processes:
+        try:
+            outputs.append(process.communicate(timeout=timeout)[0])
+        except subprocess.TimeoutExpired:
+            for p in processes:
+                for child in [*psutil.Process(p.pid).children(recursive=True), p]:
+                    child.kill()
+            pytest.fail(f"a node was still running after {timeout:.0f} s")
+    ended = time.time()
+    stamps = [Path(root / f"node{node}" / f"{record}.fault") for node in range(2)]
+    struck = [float(s.read_text()) for s in stamps if s.exists()]
+    return [p.returncode for p in processes], outputs, (ended - struck[0]) if struck else None
+
+
+@pytest.mark.distributed
+def test_a_dead_node_ends_the_run_and_both_nodes_resume_from_the_last_common_checkpoint(pairs, tmp_path):
+    """Two simulated nodes with node-local disks; node 1's only process is SIGKILLed at step 6 (48 pairs, global
+    batch 16: 3 steps an epoch, 9 in all; checkpoints at steps 4 and 8). Node 0 fails at its next collective, well
+    within --ddp_timeout, and never hangs. Both nodes restarted with `last` agree on checkpoint-4 and finish: every
+    logged loss and final weight equal an uninterrupted two-node run's."""
+    reference_root, root = tmp_path / "reference", tmp_path / "run"
+    codes, outputs, _ = _run_nodes(reference_root, pairs, "none", [], "reference.jsonl")
+    assert codes == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
+
+    codes, outputs, seconds = _run_nodes(root, pairs, "kill@6:1", [], "killed.jsonl")
+    assert codes[0] != 0 and codes[1] != 0, outputs[0][-3000:]
+    assert seconds < 20 + 30, seconds  # --ddp_timeout, then torchrun's grace
+    for node in range(2):
+        assert sorted(p.name for p in (root / f"node{node}" / "run").glob("checkpoint-*")) == ["checkpoint-4"]
+
+    codes, outputs, _ = _run_nodes(root, pairs, "none", ["--resume_from_checkpoint", "last"], "resumed.jsonl")
+    assert codes == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
+    reference_losses = losses(reference_root / "node0" / "run")
+    assert [s for s, _ in reference_losses] == list(range(1, 10))
+    torch.testing.assert_close(losses(root / "node0" / "run"), reference_losses, rtol=1e-6, atol=1e-7)
+    expected = load_file(reference_root / "node0" / "run" / "model.safetensors")
+    for node in range(2):  # node 1's copy too (saved on each node)
+        final = load_file(root / f"node{node}" / "run" / "model.safetensors")
+        for name, value in expected.items():
+            torch.testing.assert_close(final[name], value, rtol=0, atol=1e-7, msg=f"node {node}: {name}")

@@ -71,23 +71,48 @@ def checkpoint_problem(checkpoint: str | os.PathLike) -> str | None:
     return None
 
 
+def _complete_on_every_rank(steps: set[int]) -> set[int]:
+    """The checkpoint steps complete on every rank of the process group (`steps` alone in one process). Each node may
+    keep its checkpoints on a disk of its own (`--save_on_each_node`), and a node that died while saving has one
+    checkpoint fewer: every rank must resume from the same step."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return steps
+    every = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(every, sorted(steps))
+    return set.intersection(*(set(s) for s in every))
+
+
 def resolve_resume_checkpoint(value: str | None, output_dir: str) -> str | None:
     """
     A `--resume_from_checkpoint` value made a checked checkpoint directory: `last` (or `true`) is the newest checkpoint
     in `output_dir` that [`checkpoint_problem`] finds nothing wrong with, each newer one skipped with a warning that
-    says why; a path must itself be complete. Raises [`CheckpointError`] naming what is wrong.
+    says why, and, in a run of several processes, complete for every one of them (node-local output directories may
+    differ); a path must itself be complete. Raises [`CheckpointError`] naming what is wrong.
     """
     if value is None:
         return None
     if value in ("last", "true", "True"):
-        skipped = []
+        complete, skipped = {}, []
         for checkpoint in reversed(sort_checkpoints(output_dir) if os.path.isdir(output_dir) else []):
             problem = checkpoint_problem(checkpoint)
             if problem is None:
-                return checkpoint
+                complete[int(checkpoint.rsplit("-", 1)[-1])] = checkpoint
+                continue
             logger.warning("Skipping %s, which cannot be resumed from: %s.", os.path.basename(checkpoint), problem)
             skipped.append(f"{os.path.basename(checkpoint)}: {problem}")
+        steps = _complete_on_every_rank(set(complete))
+        if steps:
+            newest = max(steps)
+            if newest != max(complete):
+                logger.warning(
+                    "Resuming from step %d, the newest checkpoint complete on every rank (this rank's newest is %d).",
+                    newest,
+                    max(complete),
+                )
+            return complete[newest]
         detail = "; the ones there are incomplete: " + "; ".join(skipped) if skipped else ""
+        if complete:
+            detail = f"; this rank has {sorted(complete)}, but no step is complete on every rank"
         raise CheckpointError(
             f"--resume_from_checkpoint {value}: there is no complete checkpoint-* directory in {output_dir}{detail}."
         )

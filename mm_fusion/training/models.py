@@ -4,8 +4,10 @@ training texts), the model (from an MMFusion checkpoint, from pretrained towers,
 from the size arguments) and the processor saved with it.
 """
 
+import tempfile
 from pathlib import Path
 
+import torch
 from transformers import AutoConfig, AutoModel, AutoTokenizer, set_seed
 
 from ..configuration_mm_fusion import MMFusionConfig
@@ -56,13 +58,21 @@ def build_tokenizer(model_args: ModelArguments, data_args: DataArguments, traini
     if source:
         return AutoTokenizer.from_pretrained(source)
     directory = Path(training_args.output_dir) / "tokenizer"
-    # Trained once, by the main process, and loaded by the others: every rank must have the same vocabulary.
-    with training_args.main_process_first(desc="tokenizer", local=False):
-        if training_args.process_index == 0:
-            tokenizer = train_tokenizer(tokenizer_texts(data, data_args), vocab_size=model_args.vocab_size)
-            tokenizer.save_pretrained(directory)
-        else:
-            tokenizer = AutoTokenizer.from_pretrained(directory)
+    # Trained once, by the main process, and sent to the others through the process group, not through the disk:
+    # on several nodes each may have an output_dir of its own (node-local disks), where the main process's files are
+    # not to be found (trl#7223). Every rank must have the same vocabulary.
+    files = [None]
+    if training_args.process_index == 0:
+        tokenizer = train_tokenizer(tokenizer_texts(data, data_args), vocab_size=model_args.vocab_size)
+        tokenizer.save_pretrained(directory)
+        files = [{path.name: path.read_bytes() for path in directory.iterdir() if path.is_file()}]
+    if training_args.world_size > 1:
+        torch.distributed.broadcast_object_list(files, src=0)
+    if training_args.process_index != 0:
+        with tempfile.TemporaryDirectory() as received:
+            for name, content in files[0].items():
+                (Path(received) / name).write_bytes(content)
+            tokenizer = AutoTokenizer.from_pretrained(received)
     return tokenizer
 
 

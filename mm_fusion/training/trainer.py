@@ -25,6 +25,24 @@ STREAM_STATE_FILE = "stream_state_rank{rank}.json"
 logger = logging.get_logger(__name__)
 
 
+def _samplers(loader, depth: int = 5) -> list:
+    """The epoch-seeded samplers ([`MMFusionImageGroupedSampler`], [`MMFusionLengthGroupedSampler`]) inside a data
+    loader, through accelerate's and torch's batch-sampler wrappers."""
+    found, layer = [], [loader]
+    for _ in range(depth):
+        following = []
+        for item in layer:
+            if isinstance(item, (MMFusionImageGroupedSampler, MMFusionLengthGroupedSampler)):
+                found.append(item)
+                continue
+            for name in ("batch_sampler", "sampler"):
+                inner = getattr(item, name, None)
+                if inner is not None and inner is not item:
+                    following.append(inner)
+        layer = following
+    return list({id(s): s for s in found}.values())
+
+
 class MMFusionTrainer(Trainer):
     """
     [`Trainer`] with what the stock one lacks or gets wrong for these models:
@@ -112,6 +130,20 @@ class MMFusionTrainer(Trainer):
                 json.dump({"train_loss_sum": total, "global_step": self.state.global_step}, f)
         super()._save_checkpoint(model, trial)
 
+    def _save(self, output_dir: str | None = None, state_dict=None):
+        """Trainer's save; with `save_on_each_node`, the local main process of every node writes the weights and
+        config too. transformers 5.23's `save_pretrained` writes them on global rank 0 only, whatever
+        `is_main_process` says, so the checkpoints on the other nodes' disks had no weights and could not be resumed
+        from (found by the two-node failure test)."""
+        model = self.accelerator.unwrap_model(self.model, keep_torch_compile=False)
+        if not (self.args.save_on_each_node and self.args.should_save and self.args.process_index != 0):
+            return super()._save(output_dir, state_dict)
+        model.should_save_on_this_rank = lambda is_main_process: is_main_process
+        try:
+            return super()._save(output_dir, state_dict)
+        finally:
+            del model.should_save_on_this_rank
+
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if "loss" in logs and self._train_components:
             # Every rank logs here (Trainer gathers the loss just before), so the mean over ranks is safe to take.
@@ -147,6 +179,15 @@ class MMFusionTrainer(Trainer):
                 group["params"] = [p for p in group["params"] if id(p) not in text_ids]
                 optimizer.add_param_group({**group, "params": text, "lr": group["lr"] * scale})
         return optimizer
+
+    def _run_epoch(self, model, epoch, train_dataloader, *args, **kwargs):
+        # Our samplers draw their order from the seed and the epoch. In a run of several processes accelerate wraps
+        # the batch sampler in a `BatchSamplerShard`, and Trainer's `set_epoch` stops one level short of the sampler,
+        # which then counted its own passes: a resumed run started that count at 0 and drew another order than the
+        # interrupted run (found by the two-node failure test). Set it here, for every epoch, resumed ones too.
+        for sampler in _samplers(train_dataloader):
+            sampler.set_epoch(epoch)
+        return super()._run_epoch(model, epoch, train_dataloader, *args, **kwargs)
 
     def _is_streaming(self) -> bool:
         from ..data import ShuffledStream

@@ -5,6 +5,8 @@ Usage: torchrun --nproc_per_node N -m helpers.distributed_train_worker OUT_DIR T
 TASK `pretrain-local` is `pretrain` with the cross-rank gather of the contrastive features switched off (each rank's
 loss only sees its own batch): the control that shows the comparison can fail.
 
+With MM_FUSION_DECODE_LOG set, every image decode appends the decoding rank to that file.
+
 Every rank writes OUT_DIR/rank{r}.pt with its final weights, the training losses Trainer logged (averaged over the
 ranks) and the number of evaluation predictions `compute_metrics` saw, with the metrics.
 """
@@ -51,8 +53,24 @@ def tiny_run_args(output_dir: str, task: str, batch_size: int) -> list[str]:
     ]  # fmt: skip
 
 
+def count_decodes(log: str) -> None:
+    """Append this process's rank to `log` on every image decode (the cache's and the processor's function)."""
+    import mm_fusion.image_processing_mm_fusion as image_processing
+
+    load_image = image_processing.load_image
+
+    def counting_load_image(*args, **kwargs):
+        with open(log, "a") as f:
+            f.write(os.environ["RANK"] + "\n")
+        return load_image(*args, **kwargs)
+
+    image_processing.load_image = counting_load_image
+
+
 def main() -> None:
     out_dir, task, batch_size = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+    if os.environ.get("MM_FUSION_DECODE_LOG"):
+        count_decodes(os.environ["MM_FUSION_DECODE_LOG"])
     if task == "pretrain-local":
         from mm_fusion import MMFusionForPretraining
 
