@@ -4,12 +4,31 @@ negatives of [`MMFusionForPretraining`]) and for the gradient cache of `mm_fusio
 no-op in a single process. Saved with a model's code, since its modeling file uses it.
 """
 
+from contextlib import contextmanager
+
 import torch
 import torch.nn.functional as F
 
 
+_LOCAL_ONLY = False
+
+
+@contextmanager
+def local_only():
+    """Within it, every function here acts as in a single process (no collective): e.g. for a step that measures
+    what fits in this rank's memory while the other ranks measure theirs."""
+    global _LOCAL_ONLY
+    previous, _LOCAL_ONLY = _LOCAL_ONLY, True
+    try:
+        yield
+    finally:
+        _LOCAL_ONLY = previous
+
+
 def world() -> tuple[int, int]:
-    """World size and rank of the default process group; `(1, 0)` without one."""
+    """World size and rank of the default process group; `(1, 0)` without one (or inside [`local_only`])."""
+    if _LOCAL_ONLY:
+        return 1, 0
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return torch.distributed.get_world_size(), torch.distributed.get_rank()
     return 1, 0
@@ -71,4 +90,4 @@ def broadcast_seed(device: torch.device) -> int:
     return int(seed.item())
 
 
-__all__ = ["all_gather_with_grad", "broadcast_seed", "gather_sizes", "world"]
+__all__ = ["all_gather_with_grad", "broadcast_seed", "gather_sizes", "local_only", "world"]

@@ -1,5 +1,6 @@
 """Training across 2 processes (torchrun, gloo on CPU) equals training in one process with the same global batch."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -113,3 +114,20 @@ def test_two_nodes_of_two_processes_each_node_preprocesses_once(tmp_path):
         for name, value in nodes[0]["state_dict"].items():
             assert torch.equal(rank["state_dict"][name], value), name
     assert nodes[0]["world_size"] == 4
+
+
+def test_auto_batch_size_is_the_smallest_over_ranks_and_accumulation_keeps_the_global_batch(tmp_path):
+    """Per-device batch 16 on 2 ranks (global 32, 32 pairs, 2 epochs). Rank 1 has room for 4 pairs (simulated), rank 0
+    for 16: both train with 4 pairs a step and 4 accumulation steps, so the global batch stays 32 (2 optimizer steps an
+    epoch), and they end with the same weights. With the gradient cache every ITC loss still contrasts all 32 pairs:
+    the losses equal those of the run where both ranks have room for 16 (one micro-batch of 16 a step)."""
+    run_worker("auto_batch_worker", tmp_path / "limited", "pretrain", 4, processes=2)
+    run_worker("auto_batch_worker", tmp_path / "roomy", "pretrain", 16, processes=2)
+    ranks = [json.loads((tmp_path / "limited" / f"rank{r}.json").read_text()) for r in range(2)]
+    roomy = json.loads((tmp_path / "roomy" / "rank0.json").read_text())
+    assert (roomy["found"], roomy["per_device"], roomy["accumulation"]) == ([16, 16], 16, 1)
+    assert [r["found"] for r in ranks] == [[16, 4], [16, 4]]
+    assert [(r["per_device"], r["accumulation"]) for r in ranks] == [(4, 4), (4, 4)]
+    assert ranks[0]["steps"] == ranks[1]["steps"] == 2  # 32 pairs x 2 epochs / global batch 32
+    assert ranks[0]["checksum"] == ranks[1]["checksum"]
+    torch.testing.assert_close(torch.tensor(ranks[0]["losses"]), torch.tensor(roomy["losses"]), rtol=1e-5, atol=1e-6)

@@ -8,6 +8,7 @@ from transformers import Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import logging
 
+from ..distributed import local_only
 from .checkpoints import load_checkpoint_weights
 from .grad_cache import build_itc_cache, cached_micro_batch_loss
 from .sampler import MMFusionImageGroupedSampler, MMFusionLengthGroupedSampler
@@ -83,10 +84,13 @@ class MMFusionTrainer(Trainer):
         self._eval_components = None  # per-sample ITC / ITM losses of the running evaluation
         self._stream_resume = None  # the checkpoint a streaming run resumes from
         self._stream_loader = None
+        self.agreed_batch_sizes = None  # every rank's largest batch, when agree_on_batch_size ran
 
     def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs):
         self.resumed_from_step = self._resumed_loss_sum = None
         self._stream_resume = resume_from_checkpoint if isinstance(resume_from_checkpoint, str) else None
+        if self.args.auto_find_batch_size and not isinstance(resume_from_checkpoint, str):
+            self.agree_on_batch_size()
         if self._is_streaming():
             # The stream's saved state puts it where it was; Trainer's own fast-forward would skip batches again.
             self.args.ignore_data_skip = True
@@ -179,6 +183,74 @@ class MMFusionTrainer(Trainer):
                 group["params"] = [p for p in group["params"] if id(p) not in text_ids]
                 optimizer.add_param_group({**group, "params": text, "lr": group["lr"] * scale})
         return optimizer
+
+    def try_batch_size(self, batch_size: int) -> bool:
+        """Whether a training step (forward and backward, no optimizer step) on `batch_size` pairs of the training
+        data fits in this process's memory; the model's gradients and the RNG states are left as they were."""
+        from accelerate.utils.memory import release_memory, should_reduce_batch_size
+
+        rows = [self.train_dataset[i % len(self.train_dataset)] for i in range(batch_size)]
+        inputs = self._prepare_inputs(self.data_collator(rows))
+        cpu_rng = torch.get_rng_state()
+        accelerator_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+        if not hasattr(self, "current_gradient_accumulation_steps"):
+            self.current_gradient_accumulation_steps = 1  # read by compute_loss; Trainer sets it in its loop
+        try:
+            self.model.train()
+            with local_only():  # the other ranks are measuring too: no collective (the contrastive gather)
+                loss = self.compute_loss(self.model, inputs)
+                loss.backward()
+            return True
+        except Exception as err:
+            if isinstance(err, torch.OutOfMemoryError) or should_reduce_batch_size(err):
+                return False
+            raise
+        finally:
+            self.model.zero_grad(set_to_none=True)
+            inputs = loss = None
+            release_memory()
+            torch.set_rng_state(cpu_rng)
+            if accelerator_rng is not None:
+                torch.cuda.set_rng_state_all(accelerator_rng)
+
+    def agree_on_batch_size(self) -> int:
+        """
+        `--auto_find_batch_size` that every rank agrees on. Trainer's own search runs in each process, halving the
+        batch after an out-of-memory error there, so ranks with less free memory end up with other batch sizes (and a
+        rank that runs out of memory inside a collective hangs the others). Here each rank halves
+        `per_device_train_batch_size` until [`try_batch_size`] fits, before any collective training step; the
+        smallest over the ranks wins, and gradient accumulation grows to keep the global batch (per-device x
+        accumulation x processes), so the contrastive loss of pretraining with `itc_grad_cache` keeps its number of
+        negatives. Returns the agreed per-device batch size.
+        """
+        args = self.args
+        start, world = args.per_device_train_batch_size, args.world_size
+        global_batch = start * args.gradient_accumulation_steps * world
+        size = start
+        while size >= 1 and not self.try_batch_size(size):
+            size //= 2
+        found = torch.tensor([size], device=args.device)
+        every = [int(x) for x in self.accelerator.gather(found).tolist()] if world > 1 else [size]
+        agreed = min(every)
+        if agreed < 1:
+            raise RuntimeError(f"Not even one pair per step fits in memory (per rank: {every}).")
+        accumulation = -(-global_batch // (agreed * world))
+        if accumulation * agreed * world != global_batch:
+            logger.warning(
+                "The global batch %d is not a multiple of %d x %d processes: it becomes %d.",
+                global_batch, agreed, world, accumulation * agreed * world,
+            )  # fmt: skip
+        logger.info(
+            "auto_find_batch_size: each rank's largest batch (of %d tried first) %s; all use %d with %d accumulation "
+            "steps (global batch %d).", start, every, agreed, accumulation, accumulation * agreed * world,
+        )  # fmt: skip
+        args.per_device_train_batch_size = agreed
+        args.gradient_accumulation_steps = accumulation
+        self.accelerator.gradient_accumulation_steps = accumulation
+        self._train_batch_size = args.train_batch_size
+        args.auto_find_batch_size = False  # Trainer's own per-process search would let the ranks drift apart again
+        self.agreed_batch_sizes = every
+        return agreed
 
     def _run_epoch(self, model, epoch, train_dataloader, *args, **kwargs):
         # Our samplers draw their order from the seed and the epoch. In a run of several processes accelerate wraps
