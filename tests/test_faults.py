@@ -518,3 +518,31 @@ def test_a_dead_node_ends_the_run_and_both_nodes_resume_from_the_last_common_che
         final = load_file(root / f"node{node}" / "run" / "model.safetensors")
         for name, value in expected.items():
             torch.testing.assert_close(final[name], value, rtol=0, atol=1e-7, msg=f"node {node}: {name}")
+
+
+def test_a_batch_ramp_run_sigkilled_mid_epoch_resumes_with_the_same_batches_and_losses(pairs, tmp_path):
+    """48 pairs, batch 4 growing by 4 an epoch up to 12, 3 epochs: 12 + 6 + 4 = 22 steps; checkpoints every 5
+    steps. SIGKILLed at step 17 and resumed from checkpoint-15 (3 steps into the second epoch, batches of 8): the
+    same batches, losses (and learning rates, which follow the batch) and final weights as the uninterrupted run."""
+    flags = [*user_flags(pairs), *TINY, "--per_device_train_batch_size", "4", "--batch_size_ramp_max", "12",
+             "--num_train_epochs", "3", "--save_steps", "5", "--eval_strategy", "no"]  # fmt: skip
+    reference, out = tmp_path / "reference", tmp_path / "run"
+    code, output, _ = run_worker(tmp_path / "reference.jsonl", "none", [*flags, "--output_dir", str(reference)])
+    assert code == 0, output[-3000:]
+    code, output, _ = run_worker(tmp_path / "killed.jsonl", "kill@17", [*flags, "--output_dir", str(out)])
+    assert code == -signal.SIGKILL, output[-3000:]
+    code, output, _ = run_worker(
+        tmp_path / "resumed.jsonl", "none", [*flags, "--output_dir", str(out), "--resume_from_checkpoint", "last"]
+    )
+    assert code == 0, output[-3000:]
+    expected = read_records(tmp_path / "reference.jsonl")
+    assert [len(r["ids"]) for r in expected] == [4] * 12 + [8] * 6 + [12] * 4
+    killed, resumed = read_records(tmp_path / "killed.jsonl"), read_records(tmp_path / "resumed.jsonl")
+    assert resumed[0]["step"] == 16
+    assert [r for r in killed if r["step"] <= 15] + resumed == expected
+    reference_losses, resumed_losses = losses(reference), losses(out)
+    assert [s for s, _ in resumed_losses] == list(range(1, 23))
+    torch.testing.assert_close(resumed_losses, reference_losses, rtol=1e-6, atol=1e-7)
+    final, expected_weights = load_file(out / "model.safetensors"), load_file(reference / "model.safetensors")
+    for name, value in expected_weights.items():
+        torch.testing.assert_close(final[name], value, rtol=0, atol=1e-7, msg=name)

@@ -294,6 +294,22 @@ class MMFusionTrainingArguments(TrainingArguments):
             "learn Sort-of-CLEVR (scripts/benchmarks/results/sort_of_clevr_ladder.md); 1 trains every part alike."
         },
     )
+    batch_size_ramp_max: int | None = field(
+        default=None,
+        metadata={
+            "help": "Grow the per-device batch from per_device_train_batch_size by that much per epoch (or per "
+            "--batch_size_ramp_steps optimizer steps) up to this, as min(batch * (epoch + 1), max); --learning_rate "
+            "is the rate of the largest batch, scaled by --batch_size_ramp_lr. Needs gradient_accumulation_steps 1 "
+            "and random batches. The contrastive (ITC) loss contrasts each step's whole batch x processes, so its "
+            "number of negatives grows with the batch."
+        },
+    )
+    batch_size_ramp_steps: int = field(
+        default=0, metadata={"help": "With --batch_size_ramp_max: grow every N optimizer steps (0: every epoch)."}
+    )
+    batch_size_ramp_lr: str = field(
+        default="linear", metadata={"help": "With --batch_size_ramp_max: lr x size/max (linear), its sqrt, or none."}
+    )
     cpu_threads: int | None = field(
         default=None,
         metadata={
@@ -319,6 +335,22 @@ class MMFusionTrainingArguments(TrainingArguments):
                 f"text_tower_lr_scale must be > 0 (a fraction of learning_rate), got {self.text_tower_lr_scale}; to "
                 "keep the text tower as it is, freeze it instead."
             )
+        if self.batch_size_ramp_max is not None:
+            if self.gradient_accumulation_steps != 1:
+                raise ValueError("--batch_size_ramp_max grows the batch itself: use gradient_accumulation_steps 1.")
+            if self.group_by_image or self.train_sampling_strategy != "random" or self.auto_find_batch_size:
+                raise ValueError(
+                    "--batch_size_ramp_max draws its own random batches: no group_by_image, train_sampling_strategy "
+                    "other than random, or auto_find_batch_size."
+                )
+            from .sampler import BatchRamp
+
+            BatchRamp(
+                self.per_device_train_batch_size,
+                self.batch_size_ramp_max,
+                self.batch_size_ramp_steps,
+                self.batch_size_ramp_lr,
+            )  # fmt: skip  (checks the values)
         if self.group_by_image and self.train_sampling_strategy == "group_by_length":
             raise ValueError("group_by_image and train_sampling_strategy=group_by_length exclude each other.")
         # TrainingArguments would fill in the evaluation loss; scripts/train.py puts the task's metric there instead.
@@ -415,7 +447,7 @@ class MMFusionArgumentParser(HfArgumentParser):
         model_args, data_args, training_args = self.parse_args_into_dataclasses(args=argv)
         check_launch(training_args)
         task = model_args.task
-        if training_args.group_by_image is None and data_args.streaming:
+        if training_args.group_by_image is None and (data_args.streaming or training_args.batch_size_ramp_max):
             training_args.group_by_image = False
         if training_args.group_by_image is None:
             # Batches of one image's questions encode it once; for pretraining they would be each other's negatives.

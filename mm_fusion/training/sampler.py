@@ -94,3 +94,72 @@ class MMFusionLengthGroupedSampler(_EpochSeeded, LengthGroupedSampler):
     def __iter__(self) -> Iterator[int]:
         self.generator = self._epoch_generator()
         return super().__iter__()
+
+
+class BatchRamp:
+    """
+    A batch size that grows during training, as `min(start * (k + 1), maximum)` per device, `k` being the epoch
+    (`every_steps=0`) or the number of `every_steps` optimizer steps done, with the learning rate scaled with it:
+    `"linear"` (lr x size / maximum), `"sqrt"` (lr x sqrt(size / maximum)) or `"none"`. The learning rate given is
+    the one of the maximum batch.
+
+    [`plan`] lays out every epoch's per-step batch sizes in advance (they depend only on the data size, the ramp and
+    the number of processes), so the number of steps, the epoch of a step and the learning rate of a step are known
+    from the start and a resumed run finds its place again.
+    """
+
+    def __init__(self, start: int, maximum: int, every_steps: int = 0, lr_scaling: str = "linear"):
+        if not 1 <= start <= maximum:
+            raise ValueError(f"The batch ramp needs 1 <= start <= maximum, got start {start}, maximum {maximum}.")
+        if lr_scaling not in ("linear", "sqrt", "none"):
+            raise ValueError(f"lr_scaling must be linear, sqrt or none, got {lr_scaling!r}.")
+        self.start, self.maximum, self.every_steps, self.lr_scaling = start, maximum, every_steps, lr_scaling
+
+    def size(self, epoch: int, step: int) -> int:
+        """The per-device batch size of the optimizer step `step` (global, 0-based), in epoch `epoch`."""
+        k = epoch if self.every_steps <= 0 else step // self.every_steps
+        return min(self.start * (k + 1), self.maximum)
+
+    def plan(self, num_samples: int, num_processes: int, epochs: int) -> list[list[int]]:
+        """Each epoch's per-step, per-device batch sizes. Every step takes `size x num_processes` pairs; the last
+        step of an epoch takes what is left, split between the processes, and fewer than `num_processes` pairs left
+        over are not trained on in that epoch (the next epoch is reshuffled)."""
+        plan, step = [], 0
+        for epoch in range(epochs):
+            sizes, left = [], num_samples
+            while left >= num_processes:
+                size = min(self.size(epoch, step), left // num_processes)
+                sizes.append(size)
+                left -= size * num_processes
+                step += 1
+            plan.append(sizes)
+        return plan
+
+    def lr_factor(self, size: int) -> float:
+        if self.lr_scaling == "none":
+            return 1.0
+        ratio = size / self.maximum
+        return ratio if self.lr_scaling == "linear" else ratio**0.5
+
+
+class RampBatchSampler(_EpochSeeded, Sampler[list[int]]):
+    """
+    Batches of a [`BatchRamp`]'s sizes over a random order seeded by `seed + epoch`. Each optimizer step yields one
+    batch per process, one after the other, so accelerate's `BatchSamplerShard` gives each process its own batch of
+    the step's size.
+    """
+
+    def __init__(self, num_samples: int, plan: list[list[int]], num_processes: int = 1, seed: int = 0):
+        self.num_samples, self.plan, self.num_processes, self.seed = num_samples, plan, num_processes, seed
+
+    def __len__(self) -> int:
+        return len(self.plan[min(self.epoch, len(self.plan) - 1)]) * self.num_processes
+
+    def __iter__(self) -> Iterator[list[int]]:
+        sizes = self.plan[min(self.epoch, len(self.plan) - 1)]
+        order = torch.randperm(self.num_samples, generator=self._epoch_generator()).tolist()
+        position = 0
+        for size in sizes:
+            for _ in range(self.num_processes):
+                yield order[position : position + size]
+                position += size

@@ -1,6 +1,7 @@
 """`Trainer` for MMFusion: the stock one, with image-grouped batches, retrieval evaluation and exact resumption."""
 
 import json
+import math
 import os
 
 import torch
@@ -11,7 +12,13 @@ from transformers.utils import logging
 from ..distributed import local_only
 from .checkpoints import load_checkpoint_weights
 from .grad_cache import build_itc_cache, cached_micro_batch_loss
-from .sampler import MMFusionImageGroupedSampler, MMFusionLengthGroupedSampler
+from .sampler import (
+    BatchRamp,
+    MMFusionImageGroupedSampler,
+    MMFusionLengthGroupedSampler,
+    RampBatchSampler,
+    _EpochSeeded,
+)
 
 
 # Written into each checkpoint: the sum of every optimizer step's training loss up to it, so that a resumed run
@@ -27,13 +34,13 @@ logger = logging.get_logger(__name__)
 
 
 def _samplers(loader, depth: int = 5) -> list:
-    """The epoch-seeded samplers ([`MMFusionImageGroupedSampler`], [`MMFusionLengthGroupedSampler`]) inside a data
-    loader, through accelerate's and torch's batch-sampler wrappers."""
+    """The epoch-seeded samplers ([`MMFusionImageGroupedSampler`], [`MMFusionLengthGroupedSampler`],
+    [`RampBatchSampler`]) inside a data loader, through accelerate's and torch's batch-sampler wrappers."""
     found, layer = [], [loader]
     for _ in range(depth):
         following = []
         for item in layer:
-            if isinstance(item, (MMFusionImageGroupedSampler, MMFusionLengthGroupedSampler)):
+            if isinstance(item, _EpochSeeded):
                 found.append(item)
                 continue
             for name in ("batch_sampler", "sampler"):
@@ -252,7 +259,102 @@ class MMFusionTrainer(Trainer):
         self.agreed_batch_sizes = every
         return agreed
 
+    # --- the batch-size ramp (`batch_size_ramp_max`) -------------------------------------------------------------
+
+    def batch_ramp(self) -> BatchRamp | None:
+        args = self.args
+        if getattr(args, "batch_size_ramp_max", None) is None:
+            return None
+        ramp = BatchRamp(args.per_device_train_batch_size, args.batch_size_ramp_max, args.batch_size_ramp_steps,
+                         args.batch_size_ramp_lr)  # fmt: skip
+        return ramp
+
+    def ramp_plan(self) -> list[list[int]]:
+        """Every epoch's per-step, per-device batch sizes ([`BatchRamp.plan`])."""
+        epochs = math.ceil(self.args.num_train_epochs) if self.args.max_steps <= 0 else 10_000
+        plan = self.batch_ramp().plan(len(self.train_dataset), self.args.world_size, epochs)
+        if self.args.max_steps > 0:  # as many epochs as the steps need
+            total, kept = 0, []
+            for sizes in plan:
+                kept.append(sizes)
+                total += len(sizes)
+                if total >= self.args.max_steps:
+                    break
+            plan = kept
+        return plan
+
+    def get_train_dataloader(self):
+        if self._is_streaming():
+            return self._streaming_dataloader()
+        if self.batch_ramp() is None:
+            return super().get_train_dataloader()
+        from torch.utils.data import DataLoader
+
+        args = self.args
+        sampler = RampBatchSampler(len(self.train_dataset), self.ramp_plan(), args.world_size,
+                                   seed=args.data_seed or args.seed)  # fmt: skip
+        workers = args.dataloader_num_workers
+        loader = DataLoader(
+            self.train_dataset,
+            batch_sampler=sampler,
+            collate_fn=self.data_collator,
+            num_workers=workers,
+            pin_memory=args.dataloader_pin_memory,
+            persistent_workers=args.dataloader_persistent_workers and workers > 0,
+            prefetch_factor=args.dataloader_prefetch_factor if workers > 0 else None,
+        )
+        return self.accelerator.prepare(loader)
+
+    def set_initial_training_values(self, args, dataloader):
+        values = super().set_initial_training_values(args, dataloader)
+        if self.batch_ramp() is None:
+            return values
+        plan = self.ramp_plan()
+        steps = [len(sizes) for sizes in plan]
+        max_steps = args.max_steps if args.max_steps > 0 else sum(steps)
+        samples = sum(sum(sizes) for sizes in plan) * args.world_size
+        largest = self.batch_ramp().maximum * args.world_size
+        return len(plan), max(steps), len(self.train_dataset), samples, largest, steps[0], max_steps
+
+    def _init_training_state(self, max_steps, num_update_steps_per_epoch, num_train_epochs, resume_from_checkpoint,
+                             trial):  # fmt: skip
+        epochs_trained, skipped = super()._init_training_state(
+            max_steps, num_update_steps_per_epoch, num_train_epochs, resume_from_checkpoint, trial
+        )
+        if self.batch_ramp() is None or resume_from_checkpoint is None:
+            return epochs_trained, skipped
+        # Epochs have different numbers of steps: find the resumed step's epoch in the plan.
+        done = self.state.global_step
+        for epoch, sizes in enumerate(self.ramp_plan()):
+            if done < len(sizes):
+                return epoch, 0 if self.args.ignore_data_skip else done
+            done -= len(sizes)
+        return len(self.ramp_plan()), 0
+
+    def create_scheduler(self, num_training_steps: int, optimizer=None):
+        scheduler = super().create_scheduler(num_training_steps, optimizer)
+        ramp = self.batch_ramp()
+        if ramp is None or ramp.lr_scaling == "none" or getattr(scheduler, "_mm_fusion_ramp", False):
+            return scheduler
+        if not hasattr(scheduler, "lr_lambdas"):
+            raise ValueError(f"--batch_size_ramp_lr {ramp.lr_scaling} scales a LambdaLR schedule, not {scheduler}.")
+        factors = [ramp.lr_factor(size) for sizes in self.ramp_plan() for size in sizes]
+
+        def scaled(schedule):
+            return lambda step: schedule(step) * factors[min(step, len(factors) - 1)]
+
+        scheduler.lr_lambdas = [scaled(schedule) for schedule in scheduler.lr_lambdas]
+        scheduler._mm_fusion_ramp = True
+        # The first step's rate was set when the scheduler was made: scale it too.
+        for group, base, schedule in zip(scheduler.optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
+            group["lr"] = base * schedule(scheduler.last_epoch)
+        scheduler._last_lr = [group["lr"] for group in scheduler.optimizer.param_groups]
+        return scheduler
+
     def _run_epoch(self, model, epoch, train_dataloader, *args, **kwargs):
+        if self.batch_ramp() is not None:  # this epoch's own number of steps
+            steps = len(self.ramp_plan()[min(epoch, len(self.ramp_plan()) - 1)])
+            kwargs["steps_in_epoch"] = kwargs["num_update_steps_per_epoch"] = steps
         # Our samplers draw their order from the seed and the epoch. In a run of several processes accelerate wraps
         # the batch sampler in a `BatchSamplerShard`, and Trainer's `set_epoch` stops one level short of the sampler,
         # which then counted its own passes: a resumed run started that count at 0 and drew another order than the
@@ -266,15 +368,13 @@ class MMFusionTrainer(Trainer):
 
         return isinstance(self.train_dataset, ShuffledStream)
 
-    def get_train_dataloader(self):
+    def _streaming_dataloader(self):
         """
         A streaming run's training loader: torchdata's `StatefulDataLoader` (through accelerate, as
         `use_stateful_dataloader=True` builds it) over this rank's own stream. Accelerate's `prepare` is told there
         is one process: the stream is already this rank's part (`split_by_rank`), and accelerate would otherwise cut
         it again or have rank 0 read and send every batch. On resume the loader takes the rank's saved state.
         """
-        if not self._is_streaming():
-            return super().get_train_dataloader()
         from accelerate.data_loader import prepare_data_loader
         from torchdata.stateful_dataloader import StatefulDataLoader
 
