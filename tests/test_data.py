@@ -6,12 +6,13 @@ import os
 
 import numpy as np
 import pytest
+import torch
 from datasets import Array3D, Dataset, DatasetDict, Features, Value, concatenate_datasets
 from datasets import Image as ImageFeature
 from PIL import Image
 
 from mm_fusion import train_tokenizer
-from mm_fusion.data import load_easy_vqa, load_image, load_pairs, prepare_dataset, uint8_pixels
+from mm_fusion.data import ImageTextCollator, load_easy_vqa, load_image, load_pairs, prepare_dataset, uint8_pixels
 
 
 SIZE = 16
@@ -289,3 +290,30 @@ def test_dataset_dict_shares_one_images_table(corpus):
     reason = next(q["reason"] for q in prepared.quarantine if q["id"] == "dup")
     assert reason.startswith("duplicate_id") and "row 9 of the train split, which is kept" in reason
     assert sum(len(s) for s in prepared.pairs.values()) + len(prepared.quarantine) == len(corpus["rows"]) + 1
+
+
+@pytest.mark.parametrize("image_format", ["jpeg", "webp"])
+def test_compressed_images_table_feeds_the_collator(corpus, image_format):
+    """`image_format` jpeg / webp: the images table holds encoded bytes, far fewer than raw, and the collator
+    decodes them to the raw table's pixels (exactly for lossless WebP)."""
+    raw = _prepare(corpus, image_format="uint8")
+    packed = _prepare(corpus, image_format=image_format)
+    assert "image_bytes" in packed.images.column_names and "pixel_values" not in packed.images.column_names
+    assert packed.pairs["id"] == raw.pairs["id"] and packed.quarantine == raw.quarantine
+    features = [packed.pairs[i] for i in range(len(packed.pairs))]
+    batch = ImageTextCollator(packed.images)(features)
+    expected = ImageTextCollator(raw.images)([raw.pairs[i] for i in range(len(raw.pairs))])
+    assert batch["pixel_values"].shape == expected["pixel_values"].shape
+    difference = (batch["pixel_values"].int() - expected["pixel_values"].int()).abs().float().mean().item()
+    assert difference == 0 if image_format == "webp" else difference < 8
+    assert torch.equal(batch["input_ids"], expected["input_ids"])
+
+
+def test_auto_image_format_picks_by_the_size_of_the_raw_table():
+    from mm_fusion.data import choose_image_format
+
+    assert choose_image_format("auto", 5_000, 64) == "uint8"  # easy-VQA: 60 MB raw
+    assert choose_image_format("auto", 1_000_000, 224) == "jpeg"  # 150 GB raw
+    assert choose_image_format("webp", 10, 64) == "webp"
+    with pytest.raises(ValueError, match="image_format"):
+        choose_image_format("png", 10, 64)

@@ -263,7 +263,7 @@ def test_mixing_ratios_hold_within_two_percent_over_10k_samples():
         (["--max_steps", "5", "--save_strategy", "epoch"], "save_strategy epoch"),
         (["--max_steps", "5", "--task", "vqa"], "needs --class_names"),
         (["--max_steps", "5", "--class_names", "a,b", "--group_by_image", "True"], "no group_by_image"),
-        (["--max_steps", "5", "--class_names", "a,b", "--image_format", "png"], "--image_format"),
+        (["--max_steps", "5", "--class_names", "a,b", "--image_format", "png"], "--image_format must be"),
     ],
 )
 def test_streaming_flags_are_checked_before_any_work(tmp_path, flags, message):

@@ -1,6 +1,7 @@
 """Batches of prepared pairs: text padded to the longest in the batch, uint8 images read once per batch, sample ids."""
 
 import math
+import zlib
 from collections.abc import Callable
 from typing import Any
 
@@ -8,6 +9,8 @@ import numpy as np
 import pyarrow as pa
 import torch
 from datasets import Dataset
+
+from .image_codec import IMAGE_FORMATS, decode_pixels
 
 
 class AlignmentError(RuntimeError):
@@ -91,13 +94,18 @@ class ImageTextCollator:
     ):
         if blank not in (None, "image", "text"):
             raise ValueError(f"blank must be None, 'image' or 'text', got {blank!r}.")
-        missing = {"image_key", "pixel_values"} - set(images.column_names)
+        self.encoded = "image_bytes" in images.column_names  # a JPEG / WebP images table (`image_format`)
+        missing = {"image_key", "image_bytes" if self.encoded else "pixel_values"} - set(images.column_names)
         if missing:
             raise ValueError(
                 f"`images` must be PreparedData.images from prepare_dataset; it lacks the columns {sorted(missing)}."
             )
         self.images = images.with_format("arrow")
-        self.image_shape = tuple(images.features["pixel_values"].shape)
+        if self.encoded:
+            first = decode_pixels(self.images[:1].column("image_bytes")[0].as_py(), 0, "encoded")
+            self.image_shape = tuple(first.shape)
+        else:
+            self.image_shape = tuple(images.features["pixel_values"].shape)
         self.pad_token_id = pad_token_id
         self.pad_to_multiple_of = pad_to_multiple_of
         self.share_images = share_images
@@ -123,7 +131,11 @@ class ImageTextCollator:
         if self.check_alignment:
             self._check_alignment(features, table.column("image_key").to_pylist(), position)
         pixel_values = _empty_uint8((len(unique_rows), *self.image_shape))
-        uint8_pixels(table.column("pixel_values"), self.image_shape, out=pixel_values.numpy())
+        if self.encoded:  # decoded here, in the data loader's workers
+            for i, data in enumerate(table.column("image_bytes").to_pylist()):
+                decode_pixels(data, self.image_shape[-1], "encoded", out=pixel_values.numpy()[i])
+        else:
+            uint8_pixels(table.column("pixel_values"), self.image_shape, out=pixel_values.numpy())
         if self.image_transform is not None:
             pixel_values = torch.stack([self.image_transform(image) for image in pixel_values])
         if self.blank == "image":
@@ -188,8 +200,6 @@ class StreamingCollator(ImageTextCollator):
         check_alignment: bool = True,
         blank: str | None = None,
     ):
-        from .streaming import IMAGE_FORMATS
-
         if blank not in (None, "image", "text"):
             raise ValueError(f"blank must be None, 'image' or 'text', got {blank!r}.")
         if image_format not in IMAGE_FORMATS:
@@ -205,10 +215,6 @@ class StreamingCollator(ImageTextCollator):
         self.blank = blank
 
     def __call__(self, features: list[dict[str, Any]]) -> dict[str, Any]:
-        import zlib
-
-        from .streaming import decode_pixels
-
         if not features:
             raise ValueError("StreamingCollator got an empty list of pairs; a batch needs at least one.")
         missing = {"id", "image_bytes", "image_crc", "image_key", "input_ids"} - set(features[0])

@@ -22,6 +22,7 @@ from datasets import Image as ImageFeature
 from datasets.fingerprint import Hasher
 
 from ..image_processing_mm_fusion import MAX_IMAGE_PIXELS, BadSample, load_pixels
+from .image_codec import choose_image_format, encode_pixels
 
 
 logger = logging.getLogger(__name__)
@@ -59,10 +60,12 @@ def prepare_images(
     image_size: int,
     data_root: str | None = None,
     max_pixels: int = MAX_IMAGE_PIXELS,
+    image_format: str = "uint8",
 ) -> dict[str, list]:
     """
     `Dataset.map(batched=True)` function over distinct images: decode, check, convert and resize each one to
-    `image_size` square uint8 (C, H, W). An image that fails keeps a zero array and carries an `error`.
+    `image_size` square uint8 (C, H, W). An image that fails keeps a zero array and carries an `error`. With an
+    `image_format` other than uint8 the pixels are stored as JPEG / lossless WebP bytes (`image_bytes`).
     """
     blank = np.zeros((3, image_size, image_size), dtype=np.uint8)
     keys, pixels, errors, sources = [], [], [], []
@@ -75,6 +78,9 @@ def prepare_images(
         except BadSample as bad:
             pixels.append(blank)
             errors.append(f"{bad.reason}: {bad.detail}")
+    if image_format != "uint8":
+        return {"image_key": keys, "image_bytes": [encode_pixels(p, image_format) for p in pixels], "source": sources,
+                "error": errors}  # fmt: skip
     return {"image_key": keys, "pixel_values": pixels, "source": sources, "error": errors}
 
 
@@ -160,6 +166,7 @@ def prepare_dataset(
     quarantine_path: str | os.PathLike | None = None,
     num_proc: int | None = None,
     batch_size: int = 256,
+    image_format: str = "auto",
 ) -> PreparedData:
     """
     Validate and preprocess image-text pairs once, with results kept in the Arrow cache under a fingerprint that is
@@ -180,6 +187,10 @@ def prepare_dataset(
         on_bad_sample (`str`, *optional*, defaults to `"skip"`):
             `"skip"` leaves bad rows out and reports them (log summary, and `quarantine_path` as jsonl when given);
             `"error"` raises a `ValueError` listing them.
+        image_format (`str`, *optional*, defaults to `"auto"`):
+            How the images table stores the resized images: `"uint8"` (raw, fastest to read), `"jpeg"` (quality 90,
+            4:4:4, 15-49x smaller, lossy), `"webp"` (lossless, exact pixels) or `"auto"`: uint8 up to 8 GiB of raw
+            images, JPEG above ([`choose_image_format`], measured in `scripts/benchmarks/results/image_cache.md`).
         quarantine_path (`str`, *optional*):
             Where to write the quarantine report (jsonl: id, source, reason); written on every run, empty when
             nothing was left out, so no stale report survives.
@@ -208,7 +219,7 @@ def prepare_dataset(
     state = _distributed_state()
     with state.local_main_process_first():
         images, image_rows = _prepare_images(
-            splits, image_column, image_size, data_root, max_pixels, num_proc, batch_size
+            splits, image_column, image_size, data_root, max_pixels, num_proc, batch_size, image_format
         )
         prepared = {
             split: _prepare_texts(
@@ -255,6 +266,7 @@ def _prepare_images(
     max_pixels: int,
     num_proc: int | None,
     batch_size: int,
+    image_format: str = "uint8",
 ) -> tuple[Dataset, dict[str, int]]:
     """The images table (each distinct image of every split once, in order of first use) and its row per key."""
     image_rows: dict[str, int] = {}
@@ -270,12 +282,19 @@ def _prepare_images(
                     first_uses.append(start + offset)
         parts.append(column.select(first_uses) if len(first_uses) < len(dataset) else column)
     source = parts[0] if len(parts) == 1 else concatenate_datasets(parts)
+    chosen = choose_image_format(image_format, len(source), image_size)
+    if image_format == "auto" and chosen != "uint8":
+        logger.info("image_format auto: %d images at %d px would take %.1f GiB raw; storing them as %s.",
+                    len(source), image_size, len(source) * 3 * image_size**2 / 2**30, chosen)  # fmt: skip
     settings = {
         "image_column": image_column,
         "image_size": image_size,
         "data_root": data_root,
         "max_pixels": max_pixels,
     }
+    if chosen != "uint8":  # the default keeps the fingerprints (and caches) of earlier versions
+        settings["image_format"] = chosen
+    pixels = Value("binary") if chosen != "uint8" else Array3D(shape=(3, image_size, image_size), dtype="uint8")
     images = source.map(
         prepare_images,
         batched=True,
@@ -284,7 +303,7 @@ def _prepare_images(
         features=Features(
             {
                 "image_key": Value("string"),
-                "pixel_values": Array3D(shape=(3, image_size, image_size), dtype="uint8"),
+                "image_bytes" if chosen != "uint8" else "pixel_values": pixels,
                 "source": Value("string"),
                 "error": Value("string"),
             }

@@ -14,7 +14,6 @@ with a buffer and repeats pass after pass, with a `state_dict` that resumes mid-
 """
 
 import glob
-import io
 import json
 import logging
 import os
@@ -33,13 +32,13 @@ from datasets import IterableDataset, load_dataset
 from datasets.distributed import split_dataset_by_node
 
 from ..image_processing_mm_fusion import MAX_IMAGE_PIXELS
+from .image_codec import IMAGE_FORMATS, encode_pixels
 from .preprocessing import prepare_images, prepare_texts
 
 
 logger = logging.getLogger(__name__)
 
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "bmp", "ppm")
-IMAGE_FORMATS = ("uint8", "jpeg", "webp")
 
 
 class ShardError(RuntimeError):
@@ -259,40 +258,6 @@ class StreamSettings:
     write_reports: bool = True
     batch_size: int = 64
     keep_columns: tuple[str, ...] = field(default_factory=tuple)
-
-
-def encode_pixels(pixels: np.ndarray, image_format: str = "uint8", quality: int = 90) -> bytes:
-    """uint8 `(3, S, S)` pixels as the bytes an image cache holds: raw (`"uint8"`), JPEG at `quality`, or lossless
-    WebP (`"webp"`: the exact pixels, smaller on disk, slower to decode)."""
-    if image_format == "uint8":
-        return np.ascontiguousarray(pixels, dtype=np.uint8).tobytes()
-    from PIL import Image
-
-    buffer = io.BytesIO()
-    image = Image.fromarray(np.ascontiguousarray(pixels.transpose(1, 2, 0)))
-    if image_format == "jpeg":
-        image.save(buffer, format="JPEG", quality=quality, subsampling=0)  # 4:4:4, no chroma halving
-    elif image_format == "webp":
-        image.save(buffer, format="WEBP", lossless=True, quality=100, method=0)
-    else:
-        raise ValueError(f"image_format must be one of {IMAGE_FORMATS}, got {image_format!r}.")
-    return buffer.getvalue()
-
-
-def decode_pixels(data: bytes, image_size: int, image_format: str = "uint8", out: np.ndarray | None = None):
-    """The uint8 `(3, S, S)` pixels of [`encode_pixels`]'s bytes, into `out` when given."""
-    if image_format == "uint8":
-        pixels = np.frombuffer(data, dtype=np.uint8).reshape(3, image_size, image_size)
-    else:
-        from PIL import Image
-
-        image = Image.open(io.BytesIO(data))
-        image.draft("RGB", (image_size, image_size))
-        pixels = np.asarray(image.convert("RGB"), dtype=np.uint8).transpose(2, 0, 1)
-    if out is None:
-        return np.array(pixels)
-    out[...] = pixels
-    return out
 
 
 def _safe_name(shard: str) -> str:

@@ -209,11 +209,18 @@ class DataArguments:
         },
     )
     image_format: str = field(
-        default="uint8",
-        metadata={"help": "--streaming: how prepared images travel from the loader's workers: uint8, jpeg or webp."},
+        default="auto",
+        metadata={
+            "help": "How the preprocessed images are stored: uint8 (raw), jpeg (quality 90, 4:4:4; lossy, 15-49x "
+            "smaller), webp (lossless) or auto: uint8 up to 8 GiB of raw images, JPEG above "
+            "(scripts/benchmarks/results/image_cache.md). With --streaming, how images travel from the loader's "
+            "workers (auto: uint8)."
+        },
     )
 
     def __post_init__(self):
+        if self.image_format not in ("auto", "uint8", "jpeg", "webp"):
+            raise ValueError(f"--image_format must be auto, uint8, jpeg or webp, got {self.image_format!r}.")
         if self.ablation not in ABLATIONS:
             raise ValueError(f"--ablation must be one of {', '.join(ABLATIONS)}, got {self.ablation!r}.")
         if self.eval_split == "":
@@ -402,8 +409,8 @@ def check_streaming(model_args, data_args, training_args) -> None:
             "--validation_split_percentage / --max_train_samples need the whole data; with --streaming, "
             "give --eval_dataset and --max_steps."
         )
-    if data_args.image_format not in ("uint8", "jpeg", "webp"):
-        raise ValueError(f"--image_format must be uint8, jpeg or webp, got {data_args.image_format!r}.")
+    if data_args.image_format == "auto":
+        data_args.image_format = "uint8"  # a stream's images are in memory only (the shuffle buffer)
     if training_args.group_by_image or training_args.train_sampling_strategy != "random":
         raise ValueError(
             "--streaming reads pairs in stream order (shuffled by a buffer): no group_by_image or "

@@ -97,6 +97,7 @@ def prepare_training_data(
         on_bad_sample=data_args.on_bad_sample,
         quarantine_path=Path(training_args.output_dir) / "quarantine.jsonl",
         num_proc=data_args.preprocessing_num_workers,
+        image_format=data_args.image_format,
     )
 
 
