@@ -272,3 +272,34 @@ def test_streaming_flags_are_checked_before_any_work(tmp_path, flags, message):
     argv = ["--streaming", "--dataset", str(tmp_path / "*.tar"), "--output_dir", str(tmp_path / "out"), *flags]
     with pytest.raises(ValueError, match=message):
         MMFusionArgumentParser().parse_args_and_config(argv)
+
+
+def test_a_stream_without_a_usable_pair_is_an_error_not_a_hang(tmp_path, tok):
+    shards = write_shards(str(tmp_path / "wds"), shards=1, rows=3, bad_every=1)
+    assert not shards["good"]
+    stream = ShuffledStream(prepare_stream(shards["paths"], tok, id_column="uid", image_size=SIZE), buffer_size=4)
+    with pytest.raises(RuntimeError, match="no usable pairs"):
+        next(iter(stream))
+
+
+@pytest.mark.distributed
+def test_two_rank_streaming_run_with_uneven_shards_never_waits_for_data(tmp_path):
+    """3 shards on 2 ranks (rank 0 reads 2 of them, 22 good pairs; rank 1 one, 11): batches of 4, 12 steps. Rank 1
+    runs out of its pass first and starts its next one at once; both ranks take all 12 steps and the run ends."""
+    from helpers.training import TINY_MODEL
+
+    made = write_shards(str(tmp_path / "wds"), shards=3, rows=12, bad_every=12)
+    flags = [*TINY_MODEL, "--streaming", "--dataset", str(tmp_path / "wds" / "*.tar"), "--class_names", "no,yes",
+             "--label_column", "answer", "--id_column", "uid", "--per_device_train_batch_size", "4",
+             "--max_steps", "12", "--eval_strategy", "no", "--save_strategy", "no", "--shuffle_buffer_size", "8",
+             "--output_dir", str(tmp_path / "out"), "--logging_steps", "1"]  # fmt: skip
+    run_worker("fault_worker", tmp_path / "record.jsonl", "none", *flags, processes=2, timeout=300)
+    records = [[json.loads(line) for line in open(tmp_path / f"record.jsonl.rank{r}")] for r in range(2)]
+    assert [len(r) for r in records] == [12, 12]  # every step on both ranks
+    shard_of = [{int(uid[1:]) // 12 for step in rank for uid in step["ids"]} for rank in records]
+    assert shard_of[0].isdisjoint(shard_of[1]) and sorted(map(len, shard_of)) == [1, 2]
+    small = min(range(2), key=lambda r: len(shard_of[r]))
+    ids = [uid for step in records[small] for uid in step["ids"]]
+    first_pass = ids[:11]
+    assert len(set(first_pass)) == 11 and set(first_pass) <= set(made["good"])  # its whole shard once...
+    assert len(ids) == 48 and Counter(ids).most_common(1)[0][1] > 1  # ...then its next passes

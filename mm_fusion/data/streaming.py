@@ -547,7 +547,18 @@ class ShuffledStream(torch.utils.data.IterableDataset):
         resume, self._resume = self._resume, None
         pass_number = resume["pass"] if resume else 0
         while self.passes is None or pass_number < self.passes:
-            yield from self._one_pass(pass_number, resume)
+            rows = 0
+            for row in self._one_pass(pass_number, resume):
+                rows += 1
+                yield row
+            if rows == 0 and resume is None and self.passes is None:
+                # Repeating an empty pass would spin for ever without a batch, and hang the other ranks.
+                worker = torch.utils.data.get_worker_info()
+                where = f" (data loader worker {worker.id} of {worker.num_workers})" if worker else ""
+                raise RuntimeError(
+                    f"This process's part of the stream{where} has no usable pairs: every row of its shards was "
+                    "quarantined or it got no shard. See the quarantine reports; use fewer workers or more shards."
+                )
             resume = None
             pass_number += 1
 
