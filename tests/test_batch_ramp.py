@@ -19,6 +19,8 @@ def test_plan_per_epoch_and_per_steps():
     assert BatchRamp(4, 12, lr_scaling="sqrt").lr_factor(3) == pytest.approx(0.5)
     with pytest.raises(ValueError, match="start <= maximum"):
         BatchRamp(8, 4)
+    # a run given in steps: as many epochs as the steps need
+    assert BatchRamp(4, 12).plan(48, 1, None, max_steps=20) == [[4] * 12, [8] * 6, [12] * 4]
 
 
 def test_sampler_covers_each_epoch_once_with_one_batch_per_process_a_step():
@@ -74,3 +76,26 @@ def test_ramp_flags_are_checked(tmp_path, flags, message):
     argv = ["--output_dir", str(tmp_path), "--per_device_train_batch_size", "4", "--batch_size_ramp_max", "8", *flags]
     with pytest.raises(ValueError, match=message):
         MMFusionArgumentParser().parse_args_and_config(argv)
+
+
+def test_auto_batch_size_resumes_with_the_batch_it_agreed_on(tmp_path):
+    """A run whose probe found room for 4 pairs (of 16 asked) trains 4 x 4; resumed from a checkpoint it trains 4 x 4
+    again without probing, even where 16 would fit now: the checkpoint holds what the ranks agreed on."""
+    argv = ["--output_dir", str(tmp_path / "out"), "--max_train_samples", "32", *TINY, "--num_train_epochs", "2",
+            "--per_device_train_batch_size", "16", "--auto_find_batch_size", "True", "--eval_strategy", "no",
+            "--save_steps", "1", "--group_by_image", "False"]  # fmt: skip
+    trainer = setup_run(argv)
+    trainer.try_batch_size = lambda size: size <= 4
+    trainer.train()
+    assert (trainer.args.per_device_train_batch_size, trainer.args.gradient_accumulation_steps) == (4, 4)
+    assert trainer.state.global_step == 4  # 32 pairs x 2 epochs / 16 a step
+
+    resumed = setup_run([*argv, "--resume_from_checkpoint", str(tmp_path / "out" / "checkpoint-3")])
+
+    def no_probe(size):
+        raise AssertionError("a resumed run takes the agreed batch from its checkpoint")
+
+    resumed.try_batch_size = no_probe
+    resumed.train(resume_from_checkpoint=resumed.args.resume_from_checkpoint)
+    assert (resumed.args.per_device_train_batch_size, resumed.args.gradient_accumulation_steps) == (4, 4)
+    assert resumed.state.global_step == 4

@@ -296,10 +296,72 @@ def test_two_rank_streaming_run_with_uneven_shards_never_waits_for_data(tmp_path
     run_worker("fault_worker", tmp_path / "record.jsonl", "none", *flags, processes=2, timeout=300)
     records = [[json.loads(line) for line in open(tmp_path / f"record.jsonl.rank{r}")] for r in range(2)]
     assert [len(r) for r in records] == [12, 12]  # every step on both ranks
-    shard_of = [{int(uid[1:]) // 12 for step in rank for uid in step["ids"]} for rank in records]
-    assert shard_of[0].isdisjoint(shard_of[1]) and sorted(map(len, shard_of)) == [1, 2]
-    small = min(range(2), key=lambda r: len(shard_of[r]))
-    ids = [uid for step in records[small] for uid in step["ids"]]
-    first_pass = ids[:11]
-    assert len(set(first_pass)) == 11 and set(first_pass) <= set(made["good"])  # its whole shard once...
-    assert len(ids) == 48 and Counter(ids).most_common(1)[0][1] > 1  # ...then its next passes
+    ids = [[uid for step in rank for uid in step["ids"]] for rank in records]
+    good = set(made["good"])
+
+    def first_pass_shards(rank_ids):
+        """The shards of a rank's first pass: the shortest start of its ids that reads whole shards (11 good pairs
+        each), every pair once."""
+        for shards in (1, 2):
+            head = rank_ids[: 11 * shards]
+            of = {int(uid[1:]) // 12 for uid in head}
+            if len(set(head)) == len(head) and len(of) == shards and set(head) <= good:
+                return of
+        raise AssertionError(f"no whole-shard first pass in {rank_ids[:22]}")
+
+    first = [first_pass_shards(rank_ids) for rank_ids in ids]
+    assert first[0].isdisjoint(first[1]) and first[0] | first[1] == {0, 1, 2}  # each shard on one rank, in pass 1
+    assert sorted(map(len, first)) == [1, 2]  # the uneven split: 1 shard against 2
+    small = min(range(2), key=lambda r: len(first[r]))
+    assert len(ids[small]) == 48 and Counter(ids[small]).most_common(1)[0][1] > 1  # its next passes, at once
+
+
+def test_a_datasets_source_is_read_whole_by_two_loader_workers(tmp_path, tok):
+    """Each worker reads its own shards of a `datasets` streaming source whole (datasets would split a shard again
+    between the workers when iterated inside one, and all but the first would read nothing)."""
+    pairs = write_jsonl(str(tmp_path / "jsonl"), rows=6, files=1)
+    rows = [json.loads(line) for line in open(pairs["paths"][0]) if line.strip().endswith("}")]
+    for row in rows:
+        row["image"] = os.path.join(tmp_path, "jsonl", row["image"])
+    source = Dataset.from_list(rows).to_iterable_dataset(num_shards=4)
+    stream = prepare_stream(source, tok, id_column="uid", text_column="question", image_size=SIZE)
+    loader = StatefulDataLoader(ShuffledStream(stream, buffer_size=1, passes=1), batch_size=2, num_workers=2,
+                                collate_fn=_ids)  # fmt: skip
+    assert sorted(uid for batch in loader for uid in batch) == sorted(pairs["good"])
+
+
+def test_jsonl_files_in_different_folders_read_images_beside_each_file(tmp_path, tok):
+    first, second = write_jsonl(str(tmp_path / "a"), rows=5), write_jsonl(str(tmp_path / "b"), rows=5)
+    stream = prepare_stream([*first["paths"], *second["paths"]], tok, id_column="uid", text_column="question",
+                            image_size=SIZE, quarantine_dir=tmp_path / "q")  # fmt: skip
+    ids = [r["id"] for r in stream]
+    assert len(ids) == 2 * len(first["good"])  # both files' good rows (the uids repeat: two corpora)
+    missing = [e for e in read_quarantine(tmp_path / "q") if e["reason"].startswith("missing_image")]
+    assert len(missing) == 2  # the one planted in each folder, nothing more
+
+
+def test_state_of_a_resumed_stream_before_its_first_row_is_the_loaded_one(tmp_path, tok):
+    shards = write_shards(str(tmp_path / "wds"), shards=2, rows=6)
+    stream = lambda: ShuffledStream(prepare_stream(shards["paths"], tok, id_column="uid", image_size=SIZE),  # noqa: E731
+                                    buffer_size=4, seed=1, passes=2)  # fmt: skip
+    running = stream()
+    iterator = iter(running)
+    first = [next(iterator)["id"] for _ in range(5)]
+    state = running.state_dict()
+    resumed = stream()
+    resumed.load_state_dict(state)
+    assert resumed.state_dict() == state  # a checkpoint taken now must not send it back to the start
+    rest = [row["id"] for row in resumed]
+    assert first + rest == [row["id"] for row in stream()]
+
+
+def test_an_unshuffled_stream_resumed_mid_pass_reads_its_next_pass_whole(tmp_path, tok):
+    shards = write_shards(str(tmp_path / "wds"), shards=2, rows=5)
+    stream = lambda: ShuffledStream(prepare_stream(shards["paths"], tok, id_column="uid", image_size=SIZE),  # noqa: E731
+                                    buffer_size=1, passes=2, shuffle_shards=False)  # fmt: skip
+    running = stream()
+    iterator = iter(running)
+    first = [next(iterator)["id"] for _ in range(3)]
+    resumed = stream()
+    resumed.load_state_dict(running.state_dict())
+    assert first + [row["id"] for row in resumed] == shards["good"] * 2

@@ -102,6 +102,8 @@ class ImageTextCollator:
             )
         self.images = images.with_format("arrow")
         if self.encoded:
+            if len(images) == 0:
+                raise ValueError("`images` (an encoded images table) has no rows: there is no image to train on.")
             first = decode_pixels(self.images[:1].column("image_bytes")[0].as_py(), 0, "encoded")
             self.image_shape = tuple(first.shape)
         else:

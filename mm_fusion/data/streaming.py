@@ -13,6 +13,7 @@ them: the data loader's workers.
 with a buffer and repeats pass after pass, with a `state_dict` that resumes mid-stream exactly.
 """
 
+import copy
 import glob
 import json
 import logging
@@ -23,7 +24,7 @@ import zlib
 from collections import deque
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -74,6 +75,13 @@ def _check_tar(path: str) -> list[tarfile.TarInfo]:
     return members
 
 
+def _member_data(path: str, members: list[tarfile.TarInfo]) -> Iterator[tuple[tarfile.TarInfo, bytes]]:
+    with open(path, "rb") as f:
+        for member in members:
+            f.seek(member.offset_data)
+            yield member, f.read(member.size)
+
+
 def read_tar_shard(path: str) -> Iterator[dict[str, Any]]:
     """
     The samples of a webdataset tar shard: files that share a key (the path up to the first dot of the file name)
@@ -90,13 +98,8 @@ def read_tar_shard(path: str) -> Iterator[dict[str, Any]]:
         except (tarfile.TarError, EOFError, OSError, zlib.error) as err:
             raise ShardError(f"not a readable compressed tar archive ({type(err).__name__}: {err})") from None
     else:
-        members = _check_tar(path)
-        with open(path, "rb") as f:
-            files = []
-            for member in members:
-                if member.isfile():
-                    f.seek(member.offset_data)
-                    files.append((member, f.read(member.size)))
+        members = [m for m in _check_tar(path) if m.isfile()]
+        files = _member_data(path, members)  # one file at a time, as the rows are consumed
     row: dict[str, Any] = {}
     for member, data in files:
         directory, name = os.path.split(member.name)
@@ -158,8 +161,10 @@ def read_jsonl_shard(path: str) -> Iterator[dict[str, Any]]:
 def read_dataset_shard(index: int, dataset: IterableDataset) -> Iterator[dict[str, Any]]:
     """Shard `index` of a streaming `datasets.IterableDataset`, `__key__` being the row number within the shard."""
     part = dataset.shard(num_shards=dataset.num_shards, index=index)
-    for number, row in enumerate(part):
-        yield {**row, "__key__": f"row {number}"}
+    # `iter`, not `for row in part`: in a data loader worker, iterating would split this one shard between the
+    # workers again, and every worker but the first would read nothing of it.
+    for number, batch in enumerate(part.iter(batch_size=1)):
+        yield {**{key: values[0] for key, values in batch.items()}, "__key__": f"row {number}"}
 
 
 # --- sources -----------------------------------------------------------------------------------------------------
@@ -256,6 +261,7 @@ class StreamSettings:
     max_length: int | None = None
     quarantine_dir: str | None = None
     write_reports: bool = True
+    report_tag: str = ""
     batch_size: int = 64
     keep_columns: tuple[str, ...] = field(default_factory=tuple)
 
@@ -268,7 +274,8 @@ def _report(settings: StreamSettings, shard: str, entries: list[dict], mode: str
     if settings.quarantine_dir is None or not settings.write_reports:
         return
     os.makedirs(settings.quarantine_dir, exist_ok=True)
-    with open(os.path.join(settings.quarantine_dir, _safe_name(shard) + ".jsonl"), mode) as f:
+    name = _safe_name(shard) + (f".{settings.report_tag}" if settings.report_tag else "") + ".jsonl"
+    with open(os.path.join(settings.quarantine_dir, name), mode) as f:
         f.writelines(json.dumps(entry) + "\n" for entry in entries)
 
 
@@ -353,26 +360,31 @@ def _validated_rows(positions: list[int], source: StreamSource, settings: Stream
     for position in positions:
         shard = source.shards[position]
         _report(settings, shard, [], "w")
-        batch, read = [], 0
-        try:
-            for row in source.read(position):
-                batch.append(row)
-                read += 1
-                if len(batch) == settings.batch_size:
-                    good, bad = _prepare_rows(batch, shard, settings, tokenizer)
-                    _report(settings, shard, bad, "a")
-                    yield from good
-                    batch = []
-        except ShardError as err:
-            batch = []  # a shard checked before its first row is skipped whole
-            _report(settings, shard, [{"id": None, "shard": shard, "key": None, "reason": f"bad_shard: {err}"}], "a")
-            logger.warning("Skipped shard %s: %s", shard, err)
-        except Exception as err:  # a streaming source failing mid-shard: its rows so far were yielded
-            reason = f"bad_shard: reading failed after {read} rows ({type(err).__name__}: {err})"
-            _report(settings, shard, [{"id": None, "shard": shard, "key": None, "reason": reason}], "a")
-            logger.warning("Shard %s: %s; the rest of it is skipped.", shard, reason)
+        shard_settings = settings
+        if settings.data_root is None and source.kind == "jsonl":  # images relative to each file's own folder
+            shard_settings = replace(settings, data_root=os.path.dirname(os.path.abspath(shard)))
+        rows, batch, read = source.read(position), [], 0
+        while True:
+            try:
+                row = next(rows)
+            except StopIteration:
+                break
+            except Exception as err:  # a tar is checked whole before its first row; other sources may fail part-way
+                kept = f" (after {read} rows, which are kept)" if read else ""
+                detail = str(err) if isinstance(err, ShardError) else f"reading failed ({type(err).__name__}: {err})"
+                reason = f"bad_shard: {detail}{kept}"
+                _report(settings, shard, [{"id": None, "shard": shard, "key": None, "reason": reason}], "a")
+                logger.warning("Shard %s: %s; the rest of it is skipped.", shard, reason)
+                break
+            batch.append(row)
+            read += 1
+            if len(batch) == settings.batch_size:
+                good, bad = _prepare_rows(batch, shard, shard_settings, tokenizer)
+                _report(settings, shard, bad, "a")
+                yield from good
+                batch = []
         if batch:
-            good, bad = _prepare_rows(batch, shard, settings, tokenizer)
+            good, bad = _prepare_rows(batch, shard, shard_settings, tokenizer)
             _report(settings, shard, bad, "a")
             yield from good
 
@@ -395,6 +407,7 @@ def prepare_stream(
     max_length: int | None = None,
     quarantine_dir: str | os.PathLike | None = None,
     write_reports: bool = True,
+    report_tag: str = "",
     batch_size: int = 64,
 ) -> IterableDataset:
     """
@@ -412,9 +425,7 @@ def prepare_stream(
         raise ValueError(f"image_format must be one of {IMAGE_FORMATS}, got {image_format!r}.")
     if not isinstance(source, StreamSource):
         source = stream_source(source, data_root=data_root)
-    data_root = data_root or source.data_root
-    if data_root is None and source.kind == "jsonl":
-        data_root = os.path.dirname(os.path.abspath(source.shards[0]))
+    data_root = data_root or source.data_root  # jsonl without one: each file's own folder
     settings = StreamSettings(
         image_column=image_column,
         text_column=text_column,
@@ -429,6 +440,7 @@ def prepare_stream(
         max_length=max_length,
         quarantine_dir=os.fspath(quarantine_dir) if quarantine_dir is not None else None,
         write_reports=write_reports,
+        report_tag=report_tag,
         batch_size=batch_size,
         keep_columns=tuple(keep_columns),
     )
@@ -444,11 +456,18 @@ def prepare_stream(
 
 
 def read_quarantine(quarantine_dir: str | os.PathLike) -> list[dict]:
-    """Every entry of the per-shard reports in `quarantine_dir`."""
-    entries = []
+    """Every entry of the per-shard reports in `quarantine_dir`, once (ranks that read the same shard in different
+    passes each report it)."""
+    entries, seen = [], set()
     for path in sorted(glob.glob(os.path.join(os.fspath(quarantine_dir), "*.jsonl"))):
         with open(path) as f:
-            entries += [json.loads(line) for line in f if line.strip()]
+            for line in f:
+                if line.strip():
+                    entry = json.loads(line)
+                    key = (entry.get("shard"), entry.get("key"), entry.get("reason"))
+                    if key not in seen:
+                        seen.add(key)
+                        entries.append(entry)
     return entries
 
 
@@ -522,14 +541,15 @@ class ShuffledStream(torch.utils.data.IterableDataset):
         self.seed = seed
         self.passes = passes
         self.shuffle_shards = shuffle_shards
-        self._state: dict[str, Any] | None = None
+        self._live: tuple | None = None  # the running pass: (number, snapshots, buffer, rows read, generator)
         self._resume: dict[str, Any] | None = None
 
     def _source(self, pass_number: int) -> IterableDataset:
         if not self.shuffle_shards:
-            return self.dataset
-        # `buffer_size=1`: datasets shuffles the shard order (from the seed and the epoch) and nothing else.
-        source = self.dataset.shuffle(seed=self.seed, buffer_size=1)
+            return copy.copy(self.dataset)  # a resumed pass loads a state into it, not into the later passes' source
+        # `buffer_size=1, max_buffer_input_shards=1`: datasets shuffles the shard order (from the seed and the epoch)
+        # and nothing else; it neither buffers rows nor reads several shards at once.
+        source = self.dataset.shuffle(seed=self.seed, buffer_size=1, max_buffer_input_shards=1)
         source.set_epoch(pass_number)
         return source
 
@@ -538,13 +558,22 @@ class ShuffledStream(torch.utils.data.IterableDataset):
         return np.random.default_rng([self.seed, pass_number, worker.id if worker else 0])
 
     def state_dict(self) -> dict[str, Any]:
-        return json.loads(json.dumps(self._state)) if self._state is not None else {"pass": 0, "fresh": True}
+        """Where the stream is; called between two rows (the generator paused at its `yield`)."""
+        if self._live is None:  # nothing yielded yet: the state loaded (a resume not begun), or the start
+            return json.loads(json.dumps(self._resume)) if self._resume is not None else {"pass": 0, "fresh": True}
+        pass_number, snapshots, buffer, read, rng = self._live
+        oldest = min((position for position, _ in buffer), default=read)
+        position, source = next((p, state) for p, state in reversed(snapshots) if p <= oldest)
+        state = {"pass": pass_number, "source_position": position, "source": source, "read": read,
+                 "buffer": [p for p, _ in buffer], "rng": rng.bit_generator.state}  # fmt: skip
+        return json.loads(json.dumps(state))
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._resume = None if state.get("fresh") else state
+        self._live = None
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
-        resume, self._resume = self._resume, None
+        resume, self._live = self._resume, None
         pass_number = resume["pass"] if resume else 0
         while self.passes is None or pass_number < self.passes:
             rows = 0
@@ -612,17 +641,12 @@ class ShuffledStream(torch.utils.data.IterableDataset):
             last = buffer.pop()
             if index < len(buffer):
                 buffer[index] = last
-            oldest = min(position for position, _ in buffer) if buffer else read
-            while len(snapshots) > 1 and snapshots[1][0] <= oldest:
-                snapshots.popleft()
-            self._state = {
-                "pass": pass_number,
-                "source_position": snapshots[0][0],
-                "source": snapshots[0][1],
-                "read": read,
-                "buffer": [position for position, _ in buffer],
-                "rng": rng.bit_generator.state,
-            }
+            if len(snapshots) > 4 and read % self.SNAPSHOT_EVERY == 0:  # drop the snapshots no buffered row needs
+                oldest = min((position for position, _ in buffer), default=read)
+                while len(snapshots) > 1 and snapshots[1][0] <= oldest:
+                    snapshots.popleft()
+            self._live = (pass_number, snapshots, buffer, read, rng)
+            self._resume = None  # from the first row on, the state is the live one
             yield row
 
 

@@ -192,10 +192,9 @@ class DataArguments:
         metadata={
             "help": "Stream --dataset instead of preprocessing it into the Arrow cache: webdataset .tar shards "
             "(paths, globs, shard-{000..099}.tar), .jsonl files (images relative to --data_root, default each file's "
-            "folder) "
-            "or a `load_dataset` name / folder read with streaming=True. Each shard is validated as it is read (bad "
-            "rows reported in output_dir/quarantine/<shard>.jsonl), ranks read their own shards, and --max_steps "
-            "sets the length of the run. --eval_dataset is read once into the Arrow cache."
+            "folder) or a `load_dataset` name / folder read with streaming=True. Each shard is validated as it is "
+            "read (bad rows reported in output_dir/quarantine/<shard>.rank<r>.jsonl), ranks read their own shards, "
+            "and --max_steps sets the length of the run. --eval_dataset is validated once and held in memory."
         },
     )
     shuffle_buffer_size: int = field(
@@ -411,6 +410,8 @@ def check_streaming(model_args, data_args, training_args) -> None:
         )
     if data_args.image_format == "auto":
         data_args.image_format = "uint8"  # a stream's images are in memory only (the shuffle buffer)
+    if training_args.auto_find_batch_size or training_args.batch_size_ramp_max is not None:
+        raise ValueError("--streaming does not take --auto_find_batch_size or --batch_size_ramp_max yet.")
     if training_args.group_by_image or training_args.train_sampling_strategy != "random":
         raise ValueError(
             "--streaming reads pairs in stream order (shuffled by a buffer): no group_by_image or "

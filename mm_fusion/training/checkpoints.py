@@ -71,11 +71,15 @@ def checkpoint_problem(checkpoint: str | os.PathLike) -> str | None:
     return None
 
 
+def _distributed() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
 def _complete_on_every_rank(steps: set[int]) -> set[int]:
     """The checkpoint steps complete on every rank of the process group (`steps` alone in one process). Each node may
     keep its checkpoints on a disk of its own (`--save_on_each_node`), and a node that died while saving has one
     checkpoint fewer: every rank must resume from the same step."""
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+    if not _distributed():
         return steps
     every = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(every, sorted(steps))
@@ -97,6 +101,8 @@ def resolve_resume_checkpoint(value: str | None, output_dir: str) -> str | None:
             problem = checkpoint_problem(checkpoint)
             if problem is None:
                 complete[int(checkpoint.rsplit("-", 1)[-1])] = checkpoint
+                if not _distributed():
+                    break  # one process: the newest complete checkpoint is the one
                 continue
             logger.warning("Skipping %s, which cannot be resumed from: %s.", os.path.basename(checkpoint), problem)
             skipped.append(f"{os.path.basename(checkpoint)}: {problem}")

@@ -120,12 +120,17 @@ class BatchRamp:
         k = epoch if self.every_steps <= 0 else step // self.every_steps
         return min(self.start * (k + 1), self.maximum)
 
-    def plan(self, num_samples: int, num_processes: int, epochs: int) -> list[list[int]]:
-        """Each epoch's per-step, per-device batch sizes. Every step takes `size x num_processes` pairs; the last
-        step of an epoch takes what is left, split between the processes, and fewer than `num_processes` pairs left
-        over are not trained on in that epoch (the next epoch is reshuffled)."""
-        plan, step = [], 0
-        for epoch in range(epochs):
+    def plan(
+        self, num_samples: int, num_processes: int, epochs: int | None, max_steps: int | None = None
+    ) -> list[list[int]]:
+        """Each epoch's per-step, per-device batch sizes, for `epochs` epochs or as many as `max_steps` (> 0) need.
+        Every step takes `size x num_processes` pairs; the last step of an epoch takes what is left, split between
+        the processes, and fewer than `num_processes` pairs left over are not trained on in that epoch (the next
+        epoch is reshuffled)."""
+        if num_samples < num_processes:
+            raise ValueError(f"The batch ramp needs at least one pair per process: {num_samples} pairs.")
+        plan, step, epoch = [], 0, 0
+        while (epochs is not None and epoch < epochs) or (epochs is None and step < (max_steps or 0)):
             sizes, left = [], num_samples
             while left >= num_processes:
                 size = min(self.size(epoch, step), left // num_processes)
@@ -133,6 +138,7 @@ class BatchRamp:
                 left -= size * num_processes
                 step += 1
             plan.append(sizes)
+            epoch += 1
         return plan
 
     def lr_factor(self, size: int) -> float:

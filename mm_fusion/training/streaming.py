@@ -99,11 +99,9 @@ def prepare_streaming_data(
         max_length=data_args.max_length,
         quarantine_dir=quarantine_dir,
     )
-    stream = prepare_stream(data.datasets["train"], tokenizer, **settings, write_reports=True)
-    part, strategy = split_by_rank(stream, rank, size)
-    if strategy == "examples" and rank != 0:  # every rank reads every shard: one report of each is enough
-        stream = prepare_stream(data.datasets["train"], tokenizer, **settings, write_reports=False)
-        part, _ = split_by_rank(stream, rank, size)
+    # One report file per shard and rank: a rank whose passes run ahead may read a shard another rank is reading.
+    stream = prepare_stream(data.datasets["train"], tokenizer, **settings, report_tag=f"rank{rank}")
+    part, _ = split_by_rank(stream, rank, size)
     pairs = {"train": ShuffledStream(part, buffer_size=data_args.shuffle_buffer_size, seed=training_args.seed)}
     if "eval" in data.datasets:
         eval_settings = {**settings, "quarantine_dir": os.path.join(quarantine_dir, "eval")}

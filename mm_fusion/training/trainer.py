@@ -10,7 +10,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import logging
 
 from ..distributed import local_only
-from .checkpoints import load_checkpoint_weights
+from .checkpoints import load_checkpoint_weights, resolve_resume_checkpoint
 from .grad_cache import build_itc_cache, cached_micro_batch_loss
 from .sampler import (
     BatchRamp,
@@ -29,6 +29,9 @@ LOSS_COMPONENTS = ("itc_loss", "itm_loss")
 # Written into each checkpoint by every rank of a streaming run: its data loader's state (torchdata's
 # StatefulDataLoader, with the stream's own), from which the resumed run reads on exactly where this one was.
 STREAM_STATE_FILE = "stream_state_rank{rank}.json"
+# Written into each checkpoint of an `--auto_find_batch_size` run: the per-device batch and accumulation the ranks
+# agreed on, which a resumed run takes as they are.
+AUTO_BATCH_FILE = "auto_batch_size.json"
 
 logger = logging.get_logger(__name__)
 
@@ -95,9 +98,16 @@ class MMFusionTrainer(Trainer):
 
     def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs):
         self.resumed_from_step = self._resumed_loss_sum = None
+        if resume_from_checkpoint is True:  # Trainer's own "the last one", made the newest complete one here
+            resume_from_checkpoint = resolve_resume_checkpoint("last", self.args.output_dir)
         self._stream_resume = resume_from_checkpoint if isinstance(resume_from_checkpoint, str) else None
-        if self.args.auto_find_batch_size and not isinstance(resume_from_checkpoint, str):
-            self.agree_on_batch_size()
+        if self.args.auto_find_batch_size:
+            saved = os.path.join(resume_from_checkpoint or "", AUTO_BATCH_FILE)
+            if isinstance(resume_from_checkpoint, str) and os.path.isfile(saved):
+                with open(saved) as f:  # the batch the interrupted run agreed on, so the resume is exact
+                    self._apply_batch_size(**json.load(f))
+            else:
+                self.agree_on_batch_size()
         if self._is_streaming():
             # The stream's saved state puts it where it was; Trainer's own fast-forward would skip batches again.
             self.args.ignore_data_skip = True
@@ -139,6 +149,11 @@ class MMFusionTrainer(Trainer):
             os.makedirs(folder, exist_ok=True)
             with open(os.path.join(folder, LOSS_TOTAL_FILE), "w") as f:
                 json.dump({"train_loss_sum": total, "global_step": self.state.global_step}, f)
+            if self.agreed_batch_sizes is not None:
+                with open(os.path.join(folder, AUTO_BATCH_FILE), "w") as f:
+                    batch = {"per_device": self.args.per_device_train_batch_size,
+                             "accumulation": self.args.gradient_accumulation_steps}  # fmt: skip
+                    json.dump({**batch, "found": self.agreed_batch_sizes}, f)
         super()._save_checkpoint(model, trial)
 
     def _save(self, output_dir: str | None = None, state_dict=None):
@@ -214,6 +229,7 @@ class MMFusionTrainer(Trainer):
             raise
         finally:
             self.model.zero_grad(set_to_none=True)
+            self._train_components = {}  # the probe's ITC / ITM terms are not the first logged step's
             inputs = loss = None
             release_memory()
             torch.set_rng_state(cpu_rng)
@@ -251,13 +267,17 @@ class MMFusionTrainer(Trainer):
             "auto_find_batch_size: each rank's largest batch (of %d tried first) %s; all use %d with %d accumulation "
             "steps (global batch %d).", start, every, agreed, accumulation, accumulation * agreed * world,
         )  # fmt: skip
-        args.per_device_train_batch_size = agreed
+        self._apply_batch_size(agreed, accumulation, every)
+        return agreed
+
+    def _apply_batch_size(self, per_device: int, accumulation: int, found: list[int]) -> None:
+        args = self.args
+        args.per_device_train_batch_size = per_device
         args.gradient_accumulation_steps = accumulation
         self.accelerator.gradient_accumulation_steps = accumulation
         self._train_batch_size = args.train_batch_size
         args.auto_find_batch_size = False  # Trainer's own per-process search would let the ranks drift apart again
-        self.agreed_batch_sizes = every
-        return agreed
+        self.agreed_batch_sizes = found
 
     # --- the batch-size ramp (`batch_size_ramp_max`) -------------------------------------------------------------
 
@@ -270,18 +290,14 @@ class MMFusionTrainer(Trainer):
         return ramp
 
     def ramp_plan(self) -> list[list[int]]:
-        """Every epoch's per-step, per-device batch sizes ([`BatchRamp.plan`])."""
-        epochs = math.ceil(self.args.num_train_epochs) if self.args.max_steps <= 0 else 10_000
-        plan = self.batch_ramp().plan(len(self.train_dataset), self.args.world_size, epochs)
-        if self.args.max_steps > 0:  # as many epochs as the steps need
-            total, kept = 0, []
-            for sizes in plan:
-                kept.append(sizes)
-                total += len(sizes)
-                if total >= self.args.max_steps:
-                    break
-            plan = kept
-        return plan
+        """Every epoch's per-step, per-device batch sizes ([`BatchRamp.plan`]), made once."""
+        args = self.args
+        key = (len(self.train_dataset), args.world_size, args.num_train_epochs, args.max_steps)
+        if getattr(self, "_ramp_plan", (None, None))[0] != key:
+            epochs = math.ceil(args.num_train_epochs) if args.max_steps <= 0 else None
+            plan = self.batch_ramp().plan(len(self.train_dataset), args.world_size, epochs, max_steps=args.max_steps)
+            self._ramp_plan = (key, plan)
+        return self._ramp_plan[1]
 
     def get_train_dataloader(self):
         if self._is_streaming():
