@@ -115,11 +115,15 @@ def test_jsonl_with_image_folder_through_the_same_validation(tmp_path, tok):
     assert all(e["shard"] == pairs["paths"][0] and e["key"].startswith("line ") for e in entries)
 
 
+def jsonl_rows(pairs: dict, folder) -> list[dict]:
+    """The parseable rows of `write_jsonl`'s files, their image paths made absolute."""
+    rows = [json.loads(line) for path in pairs["paths"] for line in open(path) if line.strip().endswith("}")]
+    return [{**row, "image": os.path.join(folder, row["image"])} for row in rows]
+
+
 def test_a_datasets_streaming_source_keeps_its_shards_and_unknown_labels_are_quarantined(tmp_path, tok):
     pairs = write_jsonl(str(tmp_path / "jsonl"), rows=5, files=3)
-    rows = [json.loads(line) for path in pairs["paths"] for line in open(path) if line.strip().endswith("}")]
-    for row in rows:
-        row["image"] = os.path.join(tmp_path, "jsonl", row["image"])
+    rows = jsonl_rows(pairs, tmp_path / "jsonl")
     rows[-1]["answer"] = "maybe"
     source = Dataset.from_list(rows).to_iterable_dataset(num_shards=3)
     stream = prepare_stream(
@@ -320,10 +324,7 @@ def test_a_datasets_source_is_read_whole_by_two_loader_workers(tmp_path, tok):
     """Each worker reads its own shards of a `datasets` streaming source whole (datasets would split a shard again
     between the workers when iterated inside one, and all but the first would read nothing)."""
     pairs = write_jsonl(str(tmp_path / "jsonl"), rows=6, files=1)
-    rows = [json.loads(line) for line in open(pairs["paths"][0]) if line.strip().endswith("}")]
-    for row in rows:
-        row["image"] = os.path.join(tmp_path, "jsonl", row["image"])
-    source = Dataset.from_list(rows).to_iterable_dataset(num_shards=4)
+    source = Dataset.from_list(jsonl_rows(pairs, tmp_path / "jsonl")).to_iterable_dataset(num_shards=4)
     stream = prepare_stream(source, tok, id_column="uid", text_column="question", image_size=SIZE)
     loader = StatefulDataLoader(ShuffledStream(stream, buffer_size=1, passes=1), batch_size=2, num_workers=2,
                                 collate_fn=_ids)  # fmt: skip

@@ -138,25 +138,36 @@ class ImageTextCollator:
                 decode_pixels(data, self.image_shape[-1], "encoded", out=pixel_values.numpy()[i])
         else:
             uint8_pixels(table.column("pixel_values"), self.image_shape, out=pixel_values.numpy())
-        if self.image_transform is not None:
-            pixel_values = torch.stack([self.image_transform(image) for image in pixel_values])
-        if self.blank == "image":
-            pixel_values.zero_()
+        pixel_values = self._augment(pixel_values)
         batch = {"pixel_values": pixel_values}
         if self.share_images:
             batch["image_index"] = image_index
         elif len(unique_rows) < len(rows):
             batch["pixel_values"] = pixel_values[image_index]
+        batch.update(self._texts_and_labels(features))
+        batch["image_rows"] = torch.tensor(rows, dtype=torch.long)
+        batch["sample_ids"] = sample_ids
+        return batch
+
+    def _augment(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """The random image transform, and the image ablation (black images)."""
+        if self.image_transform is not None:
+            pixel_values = torch.stack([self.image_transform(image) for image in pixel_values])
+        if self.blank == "image":
+            pixel_values.zero_()
+        return pixel_values
+
+    def _texts_and_labels(self, features: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        """Padded `input_ids` and `attention_mask` (the text ablation keeps the first and last token), and
+        `labels` when the pairs have them."""
         texts = [f["input_ids"] for f in features]
         if self.blank == "text":
             texts = [[t[0], t[-1]] if len(t) > 1 else list(t) for t in texts]
-        batch.update(self._pad(texts))
+        batch = self._pad(texts)
         if "labels" in features[0]:
             labels = [f["labels"] for f in features]
             dtype = torch.float32 if isinstance(labels[0], (list, tuple, np.ndarray)) else torch.long
             batch["labels"] = torch.tensor(np.asarray(labels), dtype=dtype)
-        batch["image_rows"] = torch.tensor(rows, dtype=torch.long)
-        batch["sample_ids"] = sample_ids
         return batch
 
     def _pad(self, sequences: list[list[int]]) -> dict[str, torch.Tensor]:
@@ -232,17 +243,7 @@ class StreamingCollator(ImageTextCollator):
                     "image bytes are not the ones prepared with its text (CRC-32 differs)."
                 )
             decode_pixels(data, self.image_size, self.image_format, out=out[i])
-        if self.image_transform is not None:
-            pixel_values = torch.stack([self.image_transform(image) for image in pixel_values])
-        if self.blank == "image":
-            pixel_values.zero_()
-        batch = {"pixel_values": pixel_values}
-        texts = [f["input_ids"] for f in features]
-        if self.blank == "text":
-            texts = [[t[0], t[-1]] if len(t) > 1 else list(t) for t in texts]
-        batch.update(self._pad(texts))
-        if "labels" in features[0]:
-            batch["labels"] = torch.tensor([f["labels"] for f in features], dtype=torch.long)
+        batch = {"pixel_values": self._augment(pixel_values), **self._texts_and_labels(features)}
         keys = [f["image_key"] for f in features]
         batch["image_rows"] = torch.tensor([zlib.crc32(k.encode()) for k in keys], dtype=torch.long)
         batch["sample_ids"] = [str(f["id"]) for f in features]
