@@ -88,22 +88,25 @@ def launch_two_nodes(root: Path, task: str, per_node: int, batch_size: int) -> l
     return records, decodes
 
 
-def test_two_simulated_nodes_preprocess_once_each_and_train_like_one_node(runs, tmp_path):
-    """2 nodes x 1 process against the one-node 2-process run of `runs` (same global batch 16): each node's
-    cache is filled once, by its local main process; both ranks end with equal weights, equal to the one-node run's.
-    The tokenizer is trained on rank 0 and sent to node 1, which has no access to node 0's output directory."""
-    task, two, _ = runs
-    nodes, decodes = launch_two_nodes(tmp_path, task, per_node=1, batch_size=8)
+@pytest.mark.scale
+def test_two_simulated_nodes_preprocess_once_each_and_train_like_one_node(tmp_path):
+    """Pretraining (its contrastive loss gathers every rank's features) on 2 nodes x 1 process against one node x 2
+    processes, the same global batch 16: each node's cache is filled once, by its local main process; both ranks end
+    with equal weights, equal to the one-node run's. The tokenizer is trained on rank 0 and sent to node 1, which has
+    no access to node 0's output directory."""
+    two = launch(tmp_path / "one_node", "pretrain", processes=2, batch_size=8)
+    nodes, decodes = launch_two_nodes(tmp_path / "two_nodes", "pretrain", per_node=1, batch_size=8)
     # 32 training pairs + 13 evaluation pairs of easy-VQA: the distinct images among them, decoded once per node.
     assert len(decodes[0]) == len(decodes[1]) > 0
     assert decodes == [["0"] * len(decodes[0]), ["1"] * len(decodes[1])]
-    assert not (tmp_path / "node1" / "run" / "tokenizer").exists()  # node 1 never read node 0's disk
+    assert not (tmp_path / "two_nodes" / "node1" / "run" / "tokenizer").exists()  # node 1 never read node 0's disk
     for name, value in nodes[0]["state_dict"].items():
         assert torch.equal(nodes[1]["state_dict"][name], value), name
         torch.testing.assert_close(value, two[0]["state_dict"][name], rtol=0, atol=1e-6, msg=name)
     torch.testing.assert_close(torch.tensor(nodes[0]["losses"]), torch.tensor(two[0]["losses"]), rtol=1e-6, atol=0)
 
 
+@pytest.mark.scale
 def test_two_nodes_of_two_processes_each_node_preprocesses_once(tmp_path):
     """2 nodes x 2 processes: on each node the local main process decodes every image once and its other process
     waits and reads that node's cache; all four ranks end with the same weights."""
@@ -116,6 +119,7 @@ def test_two_nodes_of_two_processes_each_node_preprocesses_once(tmp_path):
     assert nodes[0]["world_size"] == 4
 
 
+@pytest.mark.scale
 def test_auto_batch_size_is_the_smallest_over_ranks_and_accumulation_keeps_the_global_batch(tmp_path):
     """Per-device batch 16 on 2 ranks (global 32, 32 pairs, 2 epochs). Rank 1 has room for 4 pairs (simulated), rank 0
     for 16: both train with 4 pairs a step and 4 accumulation steps, so the global batch stays 32 (2 optimizer steps an

@@ -287,6 +287,7 @@ def test_a_stream_without_a_usable_pair_is_an_error_not_a_hang(tmp_path, tok):
 
 
 @pytest.mark.distributed
+@pytest.mark.scale
 def test_two_rank_streaming_run_with_uneven_shards_never_waits_for_data(tmp_path):
     """3 shards on 2 ranks (rank 0 reads 2 of them, 22 good pairs; rank 1 one, 11): batches of 4, 12 steps. Rank 1
     runs out of its pass first and starts its next one at once; both ranks take all 12 steps and the run ends."""
