@@ -116,7 +116,8 @@ def main() -> None:
               "collator samples/s (1 thread)", "mean abs pixel error"]  # fmt: skip
     text = markdown_table(header, table)
     report = {"machine": machine(), "options": vars(options), "results": results}
-    write_report(options.output, report, "# Image formats of the images table and the streaming path (`--image_format`)\n\n" + text)
+    title = "# Image formats of the images table and the streaming path (`--image_format`)"
+    write_report(options.output, report, title + "\n\n" + text)
     print(text)
 
 
