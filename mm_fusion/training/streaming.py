@@ -13,7 +13,6 @@ from datasets import Dataset
 
 from ..data import ShuffledStream, StreamingCollator, prepare_stream, read_quarantine, split_by_rank, stream_source
 from ..data.streaming import StreamSource
-from ..distributed import world
 from .arguments import DataArguments, ModelArguments
 
 
@@ -86,7 +85,7 @@ def prepare_streaming_data(
     """This rank's training stream ([`split_by_rank`], [`ShuffledStream`] seeded by `--seed`, repeating) and the
     evaluation pairs read once into memory; reports in `output_dir/quarantine/`."""
     quarantine_dir = os.path.join(training_args.output_dir, "quarantine")
-    size, rank = world() if world()[0] > 1 else (training_args.world_size, training_args.process_index)
+    size, rank = training_args.world_size, training_args.process_index
     settings = dict(
         image_column=data_args.image_column,
         text_column=data_args.text_column,
