@@ -112,8 +112,8 @@ def load_image(value: Any, data_root: str | None = None, max_pixels: int = MAX_I
     if isinstance(value, Image.Image):
         image = value
     else:
-        if isinstance(value, dict):
-            value = value.get("bytes") or value.get("path")
+        if isinstance(value, dict):  # empty bytes are an empty file, not a missing one at `path`
+            value = value["bytes"] if value.get("bytes") is not None else value.get("path")
         if isinstance(value, os.PathLike):
             value = os.fspath(value)
         if isinstance(value, (bytes, bytearray)):

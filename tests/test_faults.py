@@ -463,6 +463,32 @@ def test_streaming_run_sigkilled_mid_pass_resumes_with_the_same_batches_and_loss
     assert reports == shards["bad"]
 
 
+def test_a_finished_streaming_run_resumed_from_last_takes_no_step(tmp_path):
+    """A streaming run that reached `--max_steps` 4, resumed with `last`, does what the Arrow path does: nothing. No
+    step 5, no checkpoint-5, the same final weights and step losses (Trainer counts a stream's epochs without end, and
+    took one more step)."""
+    from helpers.shards import write_shards
+
+    write_shards(str(tmp_path / "shards"), shards=2, rows=6)
+    out = tmp_path / "run"
+    flags = [*TINY, "--streaming", "--dataset", str(tmp_path / "shards" / "*.tar"), "--class_names", "no,yes",
+             "--label_column", "answer", "--id_column", "uid", "--per_device_train_batch_size", "4",
+             "--max_steps", "4", "--save_steps", "2", "--eval_strategy", "no", "--shuffle_buffer_size", "4",
+             "--output_dir", str(out)]  # fmt: skip
+    train(flags)
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
+    finished, finished_losses = load_file(out / "model.safetensors"), losses(out)
+    assert [step for step, _ in finished_losses] == [1, 2, 3, 4]
+    train([*flags, "--resume_from_checkpoint", "last"])
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
+    assert json.loads((out / "trainer_state.json").read_text())["global_step"] == 4
+    assert losses(out) == finished_losses
+    resumed = load_file(out / "model.safetensors")
+    assert resumed.keys() == finished.keys()
+    for name, value in finished.items():
+        assert torch.equal(resumed[name], value), name
+
+
 def _run_nodes(root: Path, pairs: Path, fault: str, extra: list[str], record: str, timeout: float = 300):
     """Two simulated nodes (helpers.launch.start_nodes), one fault-worker process each, each with its own datasets
     cache and output directory, checkpoints saved on each node. Returns each node's exit code and output, and the

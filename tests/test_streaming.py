@@ -1,6 +1,9 @@
 """Streaming pairs (mm_fusion.data.streaming): webdataset shards, jsonl + image folders and `datasets` streaming
 sources through the same validation, per-shard quarantine, truncated shards, rank splitting, exact resume, mixing."""
 
+import codecs
+import gzip
+import io
 import json
 import os
 import tarfile
@@ -10,7 +13,7 @@ import pytest
 import torch
 from datasets import Dataset, IterableDataset
 from helpers.launch import run_worker
-from helpers.shards import LABELS, tokenizer, write_jsonl, write_shards
+from helpers.shards import LABELS, png, sample, tar_bytes, tokenizer, write_jsonl, write_shards, write_tar
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from mm_fusion.data import (
@@ -367,3 +370,254 @@ def test_an_unshuffled_stream_resumed_mid_pass_reads_its_next_pass_whole(tmp_pat
     resumed = stream()
     resumed.load_state_dict(running.state_dict())
     assert first + [row["id"] for row in resumed] == shards["good"] * 2
+
+
+# --- bad input found by a held-out run (issue 30): every bad shard or row reported, every good pair read once -----
+
+
+def _flip(data: bytes, index: int) -> bytes:
+    return data[:index] + bytes([data[index] ^ 0x01]) + data[index + 1 :]
+
+
+def _member_offset(tar: bytes, index: int) -> int:
+    with tarfile.open(fileobj=io.BytesIO(tar)) as archive:
+        return archive.getmembers()[index].offset
+
+
+# A gzip shard damaged as downloads and disks damage files, and what the report must say. A whole gzip stream of a
+# tar that was itself cut short is a truncated tar, as for a `.tar` shard.
+GZIP_DAMAGE = {
+    "cut_in_header": (lambda gz, tar: gz[:6], "Compressed file ended before the end-of-stream marker"),
+    "cut_mid_stream": (lambda gz, tar: gz[: len(gz) // 2], "Compressed file ended before the end-of-stream marker"),
+    "trailer_cut_off": (lambda gz, tar: gz[:-8], "Compressed file ended before the end-of-stream marker"),
+    "cut_in_trailer": (lambda gz, tar: gz[:-3], "Compressed file ended before the end-of-stream marker"),
+    "crc_flipped": (lambda gz, tar: _flip(gz, len(gz) - 8), "BadGzipFile: CRC check failed"),
+    "length_flipped": (lambda gz, tar: _flip(gz, len(gz) - 1), "BadGzipFile: Incorrect length of data produced"),
+    "data_flipped": (lambda gz, tar: _flip(gz, len(gz) // 2), "BadGzipFile: CRC check failed"),
+    "error_page_appended": (lambda gz, tar: gz + b"<html>502 Bad Gateway</html>", "Not a gzipped file"),
+    "not_gzip": (lambda gz, tar: tar, "Not a gzipped file"),
+    "empty": (lambda gz, tar: b"", "not a readable tar archive (ReadError: empty file)"),
+    "gzip_of_a_tar_cut_mid_member": (
+        lambda gz, tar: gzip.compress(tar[: len(tar) // 3]),
+        "not a readable tar archive (ReadError: unexpected end of data)",
+    ),
+    "gzip_of_a_tar_cut_between_members": (
+        lambda gz, tar: gzip.compress(tar[: _member_offset(tar, 6)]),
+        "truncated: no end-of-archive marker after the last member",
+    ),
+}
+
+
+@pytest.mark.parametrize("damage", list(GZIP_DAMAGE))
+@pytest.mark.parametrize("suffix", [".tar.gz", ".tgz"])
+def test_a_damaged_gzip_shard_is_reported_whole_before_its_first_row(tmp_path, tok, damage, suffix):
+    """A gzip shard whose stream is cut, corrupt or has a wrong CRC / length is `bad_shard`, every pair of it left
+    out (none trained on, none reported as a bad image); the shards around it, compressed or not, read whole."""
+    cut, says = GZIP_DAMAGE[damage]
+    shards = [
+        write_tar(str(tmp_path / "a.tar"), [m for n in range(0, 4) for m in sample(n)]),
+        str(tmp_path / f"b{suffix}"),
+        write_tar(str(tmp_path / "c.tgz"), [m for n in range(20, 24) for m in sample(n)]),
+    ]
+    tar = tar_bytes([m for n in range(10, 20) for m in sample(n)])
+    with open(shards[1], "wb") as f:
+        f.write(cut(gzip.compress(tar), tar))
+    rows = list(prepare_stream(shards, tok, id_column="uid", image_size=SIZE, quarantine_dir=tmp_path / "q"))
+    assert [r["id"] for r in rows] == [f"u{n}" for n in (*range(0, 4), *range(20, 24))]
+    (entry,) = read_quarantine(tmp_path / "q")
+    assert (entry["shard"], entry["key"], entry["id"]) == (shards[1], None, None)
+    assert entry["reason"].startswith("bad_shard: ") and says in entry["reason"], entry["reason"]
+    assert "which are kept" not in entry["reason"]  # no row of it was read before the damage was found
+
+
+def test_gzip_shards_read_exactly_as_the_same_tar(tmp_path, tok):
+    members = [m for n in range(6) for m in sample(n)]
+    paths = [write_tar(str(tmp_path / name), members) for name in ("s.tar", "s.tar.gz", "s.tgz")]
+    streams = [list(prepare_stream([p], tok, id_column="uid", image_size=SIZE)) for p in paths]
+    columns = ("id", "key", "image_bytes", "image_crc", "input_ids")
+    assert [[{c: r[c] for c in columns} for r in rows] for rows in streams[1:]] == [
+        [{c: r[c] for c in columns} for r in streams[0]]
+    ] * 2
+    assert [r["id"] for r in streams[0]] == [f"u{n}" for n in range(6)]
+
+
+def test_a_key_used_twice_in_a_shard_keeps_its_first_sample_and_reports_every_other(tmp_path, tok):
+    """Duplicate keys as shard writers make them: a sample written twice in a row, a second image of another format,
+    a second caption, an upper-case extension, and a key that comes back far later (three times in all). The first
+    sample of a key is read (as the Arrow path keeps an id's first row); every later one is quarantined with a reason
+    that names the key and its members. The same name in another folder is another key."""
+    members = [
+        *sample(0),  # 1-3
+        *sample(1, key="k1"),  # 4-6: read
+        *sample(2, key="k1"),  # 7-9: the same key again at once
+        *sample(3),  # 10-12
+        ("k3.png", png(4)), *sample(5, key="k3")[1:2], ("k3.jpg", png(5)), *sample(5, key="k3")[2:],  # 13-16
+        *sample(6, key="k4"), ("k4.txt", b"what shape is the circle"),  # 17-20
+        ("k6.PNG", png(7)), *sample(7, key="k6"),  # 21-24
+        *sample(8),  # 25-27
+        *sample(9, key="k1"),  # 28-30: the first key a third time, far from the others
+        *sample(10, key="x/k1"),  # 31-33: another folder, another key
+    ]  # fmt: skip
+    shard = write_tar(str(tmp_path / "dup.tar"), members)
+    rows = list(prepare_stream([shard], tok, id_column="uid", image_size=SIZE, quarantine_dir=tmp_path / "q"))
+    assert [r["id"] for r in rows] == ["u0", "u1", "u3", f"{shard}/k3", "u6", "u8", "u10"]
+    assert [r["key"] for r in rows] == ["sample000000", "k1", "sample000003", "k3", "k4", "sample000008", "x/k1"]
+    assert rows[1]["input_ids"] == tok(sample(1)[1][1].decode())["input_ids"]  # k1's first caption, not merged
+    first_k1 = "only its first sample, at k1.png, k1.txt, k1.json (members 4-6), is read"
+    expected = [
+        ("u2", "k1", f"duplicate_key: key 'k1' again at k1.png, k1.txt, k1.json (members 7-9); {first_k1}"),
+        ("u5", "k3", "duplicate_key: key 'k3' again at k3.jpg, k3.json (members 15-16); only its first sample, at "
+                     "k3.png, k3.txt (members 13-14), is read"),
+        (f"{shard}/k4", "k4", "duplicate_key: key 'k4' again at k4.txt (member 20); only its first sample, at "
+                              "k4.png, k4.txt, k4.json (members 17-19), is read"),
+        (f"{shard}/k6", "k6", "bad_text: expected a non-empty string, got None"),  # k6.PNG alone: no caption
+        ("u7", "k6", "duplicate_key: key 'k6' again at k6.png, k6.txt, k6.json (members 22-24); only its first "
+                     "sample, at k6.PNG (member 21), is read"),
+        ("u9", "k1", f"duplicate_key: key 'k1' again at k1.png, k1.txt, k1.json (members 28-30); {first_k1}"),
+    ]  # fmt: skip
+    entries = read_quarantine(tmp_path / "q")
+    assert [(e["id"], e["key"], e["reason"]) for e in entries] == expected
+    assert all(e["shard"] == shard for e in entries)
+    # k3's first sample is k3.png + k3.txt (its second image began another), without the json that went with that
+    assert rows[3]["input_ids"] == tok(sample(5)[1][1].decode())["input_ids"]
+
+
+def test_a_zero_byte_image_member_is_an_empty_file_as_on_the_arrow_path(tmp_path, tok):
+    from mm_fusion.image_processing_mm_fusion import BadSample, load_image
+
+    empty = tmp_path / "empty.png"
+    empty.write_bytes(b"")
+    with pytest.raises(BadSample) as arrow:
+        load_image(str(empty))
+    shard = write_tar(str(tmp_path / "s.tar"), [*sample(0), ("z.png", b""), *sample(1, key="z")[1:], *sample(2)])
+    rows = list(prepare_stream([shard], tok, id_column="uid", image_size=SIZE, quarantine_dir=tmp_path / "q"))
+    assert [r["id"] for r in rows] == ["u0", "u2"]
+    (entry,) = read_quarantine(tmp_path / "q")
+    assert entry["reason"].split(":")[0] == arrow.value.reason == "empty_file"
+    assert (entry["id"], entry["key"], entry["source"]) == ("u1", "z", f"{shard}:z.png")
+    with pytest.raises(BadSample, match="empty_file"):  # a `datasets` image dict with empty bytes, likewise
+        load_image({"bytes": b"", "path": str(tmp_path / "elsewhere.png")})
+
+
+def test_text_that_is_not_utf8_is_quarantined_in_tar_and_jsonl_shards(tmp_path, tok):
+    """Latin-1 and cp1252 captions, a UTF-16 one, a latin-1 label and json, beside a real UTF-8 caption with accents
+    (read) and a jsonl file starting with a byte-order mark (read)."""
+    shard = write_tar(
+        str(tmp_path / "s.tar"),
+        [
+            *sample(0, key="a", caption="red café"),
+            ("b.png", png(1)), ("b.txt", "red café".encode("latin-1")), *sample(1, key="b")[2:],
+            ("c.png", png(2)), ("c.txt", "\u201cred\u201d circle".encode("cp1252")), *sample(2, key="c")[2:],
+            ("d.png", png(3)), ("d.txt", "red circle".encode("utf-16")), *sample(3, key="d")[2:],
+            *sample(4, key="e")[:2], ("e.cls", "oui-détaillé".encode("latin-1")),
+            *sample(5, key="f")[:2], ("f.json", '{"uid": "u5", "note": "é"}'.encode("latin-1")),
+            *sample(6, key="g"),
+        ],
+    )  # fmt: skip
+    rows = list(prepare_stream([shard], tok, id_column="uid", image_size=SIZE, quarantine_dir=tmp_path / "q"))
+    assert [r["id"] for r in rows] == ["u0", "u6"]
+    assert rows[0]["input_ids"] == tok("red café")["input_ids"]
+    reasons = [(e["key"], e["reason"]) for e in read_quarantine(tmp_path / "q")]
+    assert reasons == [
+        ("b", "bad_text: b.txt is not UTF-8 (unexpected end of data: b'\\xe9' at byte 7)"),
+        ("c", "bad_text: c.txt is not UTF-8 (invalid start byte: b'\\x93red' at byte 0)"),
+        ("d", "bad_text: d.txt is not UTF-8 (invalid start byte: b'\\xff\\xfer\\x00' at byte 0)"),
+        ("e", "bad_label: e.cls is not UTF-8 (invalid continuation byte: b'\\xe9tai' at byte 5)"),
+        ("f", "bad_json: f.json: 'utf-8' codec can't decode byte 0xe9 in position 23: invalid continuation byte"),
+    ]
+
+    folder = tmp_path / "jsonl"
+    folder.mkdir()
+    for n in range(4):
+        (folder / f"{n}.png").write_bytes(png(n))
+    lines = [json.dumps({"uid": f"j{n}", "image": f"{n}.png", "text": "red circle"}).encode() for n in range(4)]
+    lines[0] = codecs.BOM_UTF8 + lines[0]
+    lines[2] = json.dumps({"uid": "j2", "image": "2.png", "text": "red caf\u00e9"}).replace("\\u00e9", "\xe9")
+    lines[2] = lines[2].encode("latin-1")
+    (folder / "pairs.jsonl").write_bytes(b"\n".join(lines) + b"\n")
+    q = tmp_path / "qj"
+    rows = list(prepare_stream([str(folder / "pairs.jsonl")], tok, id_column="uid", image_size=SIZE, quarantine_dir=q))
+    assert [r["id"] for r in rows] == ["j0", "j1", "j3"]  # the line after the bad one is read too
+    assert [(e["key"], e["reason"]) for e in read_quarantine(q)] == [
+        ("line 3", "bad_text: line 3 is not UTF-8 (invalid continuation byte: b'\\xe9\"}\\n' at byte 48)")
+    ]
+
+
+def test_a_folder_of_shards_is_read_as_its_sorted_shards(tmp_path, tok, caplog):
+    """A folder given for `--dataset`: its `.tar` / `.tar.gz` / `.tgz` shards (or its `.jsonl` files) in name order,
+    label names in `.cls` members (datasets' own loader failed on them: `invalid literal for int(): b'yellow'`)."""
+    from mm_fusion.data import stream_source
+
+    folder = tmp_path / "shards"
+    folder.mkdir()
+    colours = ["yellow", "red"]
+
+    def members(first):
+        return [
+            m for n in range(first, first + 3) for m in [*sample(n), (f"sample{n:06d}.cls", colours[n % 2].encode())]
+        ]
+
+    paths = [
+        write_tar(str(folder / name), members(first)) for name, first in (("b.tgz", 3), ("a.tar", 0), ("c.tar.gz", 6))
+    ]
+    (folder / "README.txt").write_text("shards of the colour set")
+    (folder / ".DS_Store").write_bytes(b"\0\0")
+    with caplog.at_level("WARNING", logger="mm_fusion.data.streaming"):
+        source = stream_source(str(folder))
+    assert (source.kind, source.shards) == ("webdataset", sorted(paths))
+    assert "README.txt" in caplog.text and ".DS_Store" not in caplog.text  # what was left out is said
+    rows = list(prepare_stream(source, tok, id_column="uid", label_column="cls", label_names=colours, image_size=SIZE))
+    assert [r["id"] for r in rows] == [f"u{n}" for n in range(9)]
+    assert [r["labels"] for r in rows] == [n % 2 for n in range(9)]
+
+    pairs = write_jsonl(str(tmp_path / "jsonl"), rows=4, files=2)
+    source = stream_source(str(tmp_path / "jsonl"))
+    assert (source.kind, source.shards) == ("jsonl", pairs["paths"])
+
+    (folder / "more.jsonl").write_text("{}\n")
+    with pytest.raises(ValueError, match=rf"{folder}.*webdataset shards.*jsonl files.*glob"):
+        stream_source(str(folder))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match=rf"{tmp_path / 'empty'}' has no file to read\. Pass webdataset shards"):
+        stream_source(str(tmp_path / "empty"))
+    (tmp_path / "nested" / "train").mkdir(parents=True)
+    with pytest.raises(ValueError, match=r"only the folders train: pass one of them or a glob"):
+        stream_source(str(tmp_path / "nested"))
+
+
+def test_shuffle_buffer_size_below_zero_is_an_error_and_zero_keeps_the_shard_order(tmp_path, tok):
+    from mm_fusion.training import MMFusionArgumentParser
+
+    argv = ["--streaming", "--dataset", str(tmp_path / "*.tar"), "--output_dir", str(tmp_path / "out"),
+            "--max_steps", "5", "--class_names", "a,b", "--shuffle_buffer_size"]  # fmt: skip
+    with pytest.raises(ValueError, match=r"^--shuffle_buffer_size must be .* got -1\.$"):
+        MMFusionArgumentParser().parse_args_and_config([*argv, "-1"])
+    assert MMFusionArgumentParser().parse_args_and_config([*argv, "0"])[1].shuffle_buffer_size == 0
+    shards = write_shards(str(tmp_path / "wds"), shards=2, rows=4)
+    stream = prepare_stream(shards["paths"], tok, id_column="uid", image_size=SIZE)
+    with pytest.raises(ValueError, match="buffer_size must be 0 or more rows"):
+        ShuffledStream(stream, buffer_size=-1)
+    ids = [row["id"] for row in ShuffledStream(stream, buffer_size=0, passes=1, shuffle_shards=False)]
+    assert ids == shards["good"]
+
+
+def test_each_good_pair_once_a_pass_beside_bad_shards_and_duplicates(tmp_path, tok):
+    """A corrupt gzip shard, a shard with a duplicate key and a latin-1 caption, and two clean shards, shuffled over
+    two passes: each good pair twice, nothing else, and the same report after the second pass."""
+    shards = [
+        write_tar(str(tmp_path / "0.tar"), [m for n in range(0, 5) for m in sample(n)]),
+        write_tar(str(tmp_path / "1.tar.gz"), [m for n in range(5, 10) for m in sample(n)]),
+        write_tar(str(tmp_path / "2.tar"), [*sample(10, key="k"), *sample(11, key="k"),
+                                            ("t.png", png(12)), ("t.txt", b"caf\xe9"), *sample(12, key="t")[2:],
+                                            *sample(13)]),
+        write_tar(str(tmp_path / "3.tgz"), [m for n in range(14, 18) for m in sample(n)]),
+    ]  # fmt: skip
+    with open(shards[1], "r+b") as f:
+        f.truncate(os.path.getsize(shards[1]) - 8)
+    stream = prepare_stream(shards, tok, id_column="uid", image_size=SIZE, quarantine_dir=tmp_path / "q")
+    ids = [row["id"] for row in ShuffledStream(stream, buffer_size=6, seed=2, passes=2)]
+    good = [f"u{n}" for n in (*range(0, 5), 10, 13, *range(14, 18))]
+    assert Counter(ids) == {uid: 2 for uid in good}
+    assert [(e["shard"], e["key"], e["reason"].split(":")[0]) for e in read_quarantine(tmp_path / "q")] == [
+        (shards[1], None, "bad_shard"), (shards[2], "k", "duplicate_key"), (shards[2], "t", "bad_text")
+    ]  # fmt: skip

@@ -198,7 +198,11 @@ class DataArguments:
         },
     )
     shuffle_buffer_size: int = field(
-        default=1000, metadata={"help": "--streaming: rows in each process's shuffle buffer (exactly resumable)."}
+        default=1000,
+        metadata={
+            "help": "--streaming: rows in each process's shuffle buffer (exactly resumable); 0 or 1: rows in shard "
+            "order (the order of the shards is still shuffled each pass)."
+        },
     )
     class_names: str | None = field(
         default=None,
@@ -224,6 +228,11 @@ class DataArguments:
             raise ValueError(f"--ablation must be one of {', '.join(ABLATIONS)}, got {self.ablation!r}.")
         if self.eval_split == "":
             self.eval_split = None
+        if self.shuffle_buffer_size < 0:
+            raise ValueError(
+                f"--shuffle_buffer_size must be a number of rows, 0 or more (0: no shuffle buffer), got "
+                f"{self.shuffle_buffer_size}."
+            )
 
 
 @dataclass

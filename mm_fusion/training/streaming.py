@@ -59,7 +59,8 @@ def stream_texts(source: StreamSource, text_column: str, limit: int = TOKENIZER_
         for position in range(len(source.shards)):
             try:
                 for row in source.read(position):
-                    if isinstance(row.get(text_column), str) and row[text_column].strip():
+                    good = "__error__" not in row  # a duplicate or undecodable sample: quarantined, not learnt
+                    if good and isinstance(row.get(text_column), str) and row[text_column].strip():
                         yield row[text_column]
             except Exception:  # an unreadable shard: the validated stream reports it
                 continue

@@ -337,6 +337,10 @@ class MMFusionTrainer(Trainer):
         epochs_trained, skipped = super()._init_training_state(
             max_steps, num_update_steps_per_epoch, num_train_epochs, resume_from_checkpoint, trial
         )
+        if self._is_streaming() and resume_from_checkpoint is not None and self.state.global_step >= max_steps:
+            # A finished run resumed: Trainer finds no epoch left for data with a length, but counts a stream's
+            # epochs without end and would take step max_steps + 1. No epoch left here either.
+            return num_train_epochs, 0
         if self.batch_ramp() is None or resume_from_checkpoint is None:
             return epochs_trained, skipped
         # Epochs have different numbers of steps: find the resumed step's epoch in the plan.

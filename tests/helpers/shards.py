@@ -1,5 +1,6 @@
 """Webdataset tar shards and jsonl files made in code, with known bad rows, for the streaming tests."""
 
+import gzip
 import io
 import json
 import os
@@ -109,3 +110,27 @@ def write_jsonl(folder: str, rows: int, files: int = 1) -> dict:
                 n += 1
         paths.append(path)
     return {"paths": paths, "good": good, "bad": bad}
+
+
+def sample(n: int, key: str | None = None, caption: str | None = None) -> list[tuple[str, bytes]]:
+    """The members of good sample `n` of a hand-made shard: `<key>.png`, `.txt` and `.json` (`answer`, `uid` u<n>)."""
+    key = key or f"sample{n:06d}"
+    meta = json.dumps({"answer": LABELS[n % 2], "uid": f"u{n}"}).encode()
+    return [(f"{key}.png", png(n)), (f"{key}.txt", (caption or text(n)).encode()), (f"{key}.json", meta)]
+
+
+def tar_bytes(members: list[tuple[str, bytes]]) -> bytes:
+    """An uncompressed tar of `members` (name, data), in that order."""
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w") as tar:
+        for name, data in members:
+            _add(tar, name, data)
+    return buffer.getvalue()
+
+
+def write_tar(path: str, members: list[tuple[str, bytes]]) -> str:
+    """A shard of `members` at `path`, gzip-compressed when its name ends in `.tar.gz` or `.tgz`."""
+    data = tar_bytes(members)
+    with open(path, "wb") as f:
+        f.write(gzip.compress(data, mtime=0) if path.endswith((".tar.gz", ".tgz")) else data)
+    return path
