@@ -120,7 +120,7 @@ def test_classify_task_on_local_files(tmp_path):
 
 
 def test_trainer_features_accumulation_checkpointing_bf16_resume(tmp_path):
-    flags = ["--num_train_epochs", "2", "--gradient_accumulation_steps", "2", "--gradient_checkpointing", "True",
+    flags = ["--num_train_epochs", "2", "--gradient_accumulation_steps", "2", "--activation_checkpointing", "True",
              "--bf16", "True", "--auto_find_batch_size", "True", "--train_sampling_strategy", "group_by_length",
              "--save_strategy", "steps", "--save_steps", "2", "--eval_strategy", "no"]  # fmt: skip
     trainer = setup_run(["--output_dir", str(tmp_path / "out"), "--max_train_samples", "64", *TINY, *flags])
@@ -261,15 +261,6 @@ def test_plain_accelerate_launch_trains_on_every_core(tmp_path):
     lines = dict(line.split(" ", 1) for line in done.stdout.splitlines() if line.startswith(("env", "after")))
     assert lines["env"] == "1 before 1"
     assert lines["after"] == str(psutil.cpu_count(logical=False))
-
-
-def test_shipped_accelerate_configs_parse():
-    from accelerate.commands.config.config_args import load_config_from_file
-
-    kinds = {}
-    for path in sorted((ROOT / "scripts" / "accelerate_configs").glob("*.yaml")):
-        kinds[path.stem] = str(load_config_from_file(str(path)).distributed_type).split(".")[-1]
-    assert kinds == {"fsdp": "FSDP", "multi_cpu": "MULTI_CPU", "multi_gpu": "MULTI_GPU", "single_gpu": "NO"}
 
 
 def test_shipped_training_config_parses_to_the_benchmarked_recipe():
@@ -516,3 +507,30 @@ def test_validation_split_keeps_the_rows_of_an_id_together():
     unique = Dataset.from_dict({"id": [f"r{i}" for i in range(40)]})
     expected = unique.train_test_split(test_size=0.1, seed=44)["test"]["id"]
     assert sorted(split_off_eval(unique, 0.1, seed=44, id_column="id")["eval"]["id"]) == sorted(expected)
+
+
+def test_sampler_epoch_callback_reaches_a_sampler_inside_accelerates_shard_wrappers():
+    from accelerate.data_loader import BatchSamplerShard
+    from torch.utils.data import BatchSampler, DataLoader
+    from transformers import TrainerControl, TrainerState
+
+    from mm_fusion.training.trainer import SamplerEpochCallback
+
+    sampler = MMFusionImageGroupedSampler([0, 0, 1, 1, 2, 2, 3, 3], seed=0)
+    shard = BatchSamplerShard(BatchSampler(sampler, 2, drop_last=False), num_processes=2, process_index=1)
+    loader = DataLoader(range(8), batch_sampler=shard)
+    callback, state = SamplerEpochCallback(), TrainerState()
+    # A run resumed in the middle of its third epoch: the sampler draws that epoch's order, as the interrupted run did.
+    state.epoch = 2.5
+    callback.on_epoch_begin(None, state, TrainerControl(), train_dataloader=loader)
+    assert sampler.epoch == 2
+    assert list(sampler) == list(_sampler_at_epoch(2))
+    state.epoch = 3.0
+    callback.on_epoch_begin(None, state, TrainerControl(), train_dataloader=loader)
+    assert sampler.epoch == 3 and list(sampler) != list(_sampler_at_epoch(2))
+
+
+def _sampler_at_epoch(epoch: int) -> MMFusionImageGroupedSampler:
+    sampler = MMFusionImageGroupedSampler([0, 0, 1, 1, 2, 2, 3, 3], seed=0)
+    sampler.set_epoch(epoch)
+    return sampler

@@ -11,18 +11,29 @@ def check_launch(training_args) -> None:
     env = os.environ
     if env.get("ACCELERATE_USE_FSDP", "false").lower() == "true" and not has_gpu:
         raise RuntimeError(
-            "This launch asks for FSDP, which needs GPUs, but this machine has none. Use "
-            "scripts/accelerate_configs/multi_cpu.yaml (or torchrun --nproc_per_node N) for multi-process CPU runs."
+            "This launch asks for FSDP, which needs GPUs, but this machine has none. For several processes on CPUs "
+            "use torchrun --nproc_per_node N scripts/train.py ..."
         )
     if env.get("ACCELERATE_MIXED_PRECISION") == "fp16" and not has_gpu:
         raise RuntimeError("The accelerate config asks for fp16, which needs a GPU; use bf16 or no on CPU.")
+    # accelerate's launcher starts several CPU processes only through mpirun (an `mpirun_hostfile` in its config);
+    # otherwise `--cpu --num_processes N` or a MULTI_CPU config runs this one process alone, as if N were 1. It sets
+    # MASTER_ADDR only when more than one process was asked for, and no launcher that starts them sets no world size.
+    accelerate_on_cpu = env.get("ACCELERATE_USE_CPU", "").lower() == "true" and "ACCELERATE_DYNAMO_BACKEND" in env
+    world_sizes = ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
+    if accelerate_on_cpu and "MASTER_ADDR" in env and not any(name in env for name in world_sizes):
+        raise RuntimeError(
+            "accelerate launch was asked for several processes but started only this one: on CPUs it starts them "
+            "through mpirun only. Use torchrun --nproc_per_node N scripts/train.py ... (or accelerate launch "
+            "--multi_gpu --num_processes N on GPUs)."
+        )
     world = int(env.get("WORLD_SIZE", "1"))
     state = training_args.distributed_state
     processes = state.num_processes if state is not None else 1
     if world > 1 and not has_gpu and processes != world:
         raise RuntimeError(
             f"WORLD_SIZE is {world} but accelerate set up {processes} process(es); on CPU launch with "
-            "torchrun --nproc_per_node N or the multi_cpu accelerate config."
+            "torchrun --nproc_per_node N scripts/train.py ..."
         )
     if has_gpu and world > torch.cuda.device_count() * int(env.get("NNODES", env.get("ACCELERATE_NUM_MACHINES", "1"))):
         raise RuntimeError(f"{world} processes were launched but only {torch.cuda.device_count()} GPUs are visible.")

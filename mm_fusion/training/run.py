@@ -68,6 +68,14 @@ def build_trainer(
     add_monitor(trainer, data_wait_warning=training_args.data_wait_warning, peak_tflops=training_args.peak_tflops)
     if training_args.early_stopping_patience is not None:
         trainer.add_callback(EarlyStoppingCallback(early_stopping_patience=training_args.early_stopping_patience))
+    # Every rank says where it stands, so a launch that started fewer processes than asked for shows at once.
+    logger.info(
+        "process %d of %d (local %d), device %s",
+        training_args.process_index,
+        training_args.world_size,
+        training_args.local_process_index,
+        training_args.device,
+    )
     if trainer.is_world_process_zero():
         logger.info(
             "task %s, fusion %s, %.2fM parameters; train %s, eval %s pairs; %s; %d torch threads",

@@ -1,11 +1,12 @@
 """`Trainer` for MMFusion: the stock one, with image-grouped batches, retrieval evaluation and exact resumption."""
 
+import contextlib
 import json
 import math
 import os
 
 import torch
-from transformers import Trainer
+from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import logging
 
@@ -54,6 +55,19 @@ def _samplers(loader, depth: int = 5) -> list:
     return list({id(s): s for s in found}.values())
 
 
+class SamplerEpochCallback(TrainerCallback):
+    """
+    Gives the epoch-seeded samplers their epoch at the start of every epoch, resumed ones included, so that a resumed
+    run draws the interrupted run's batches. In a run of several processes accelerate wraps the batch sampler in a
+    `BatchSamplerShard`, and Trainer's own `set_epoch` stops one level short of a sampler inside a batch sampler.
+    """
+
+    def on_epoch_begin(self, args, state, control, train_dataloader=None, **kwargs):
+        # `state.epoch` is the epoch's start (a float): its whole part, also on a resume in the middle of an epoch.
+        for sampler in _samplers(train_dataloader):
+            sampler.set_epoch(math.floor(state.epoch or 0))
+
+
 class MMFusionTrainer(Trainer):
     """
     [`Trainer`] with what the stock one lacks or gets wrong for these models:
@@ -78,10 +92,27 @@ class MMFusionTrainer(Trainer):
     Everything else (mixed precision, accumulation, checkpoint writing, `gather_for_metrics`, RNG and data-order
     restoring) is Trainer's.
     `model_card_writer` (e.g. [`MMFusionModelCard`]'s `write`) writes the model card, on `push_to_hub` too.
+
+    Public hooks do what they can: the samplers get their epoch in [`SamplerEpochCallback`]'s `on_epoch_begin`, the
+    evaluation collator comes in through `get_eval_dataloader` / `get_test_dataloader`, and `train`, `log`,
+    `create_optimizer`, `create_scheduler`, `training_step`, `compute_loss`, `get_batch_samples`, `evaluation_loop`,
+    `prediction_step`, `set_initial_training_values` and `create_model_card` are public. These private methods are
+    overridden because Trainer has no public hook at that point:
+
+    - `_get_train_sampler` (image-grouped and resumable length-grouped batches): the one place Trainer picks the
+      training sampler;
+    - `_load_from_checkpoint`, `_load_best_model` (exact weight loading): Trainer's own `strict=False` loading
+      happens inside them;
+    - `_save_checkpoint` (the loss total, the agreed batch size, each rank's stream state): these files must be
+      written before `trainer_state.json`, whose presence marks a complete checkpoint; `on_save` runs after it;
+    - `_save` (`save_on_each_node`): transformers 5.23's `save_pretrained` writes the weights on global rank 0 only;
+    - `_init_training_state`, `_run_epoch` (batch ramp): epochs of different lengths; the resumed epoch and each
+      epoch's step count are computed inside them.
     """
 
     def __init__(self, *args, model_card_writer=None, eval_data_collator=None, **kwargs):
         super().__init__(*args, **kwargs)
+        self.add_callback(SamplerEpochCallback())
         self.model_card_writer = model_card_writer
         self.eval_data_collator = eval_data_collator
         self.resumed_from_step = None  # the global step of the checkpoint a run resumed from
@@ -375,12 +406,6 @@ class MMFusionTrainer(Trainer):
         if self.batch_ramp() is not None:  # this epoch's own number of steps
             steps = len(self.ramp_plan()[min(epoch, len(self.ramp_plan()) - 1)])
             kwargs["steps_in_epoch"] = kwargs["num_update_steps_per_epoch"] = steps
-        # Our samplers draw their order from the seed and the epoch. In a run of several processes accelerate wraps
-        # the batch sampler in a `BatchSamplerShard`, and Trainer's `set_epoch` stops one level short of the sampler,
-        # which then counted its own passes: a resumed run started that count at 0 and drew another order than the
-        # interrupted run (found by the two-node failure test). Set it here, for every epoch, resumed ones too.
-        for sampler in _samplers(train_dataloader):
-            sampler.set_epoch(epoch)
         return super()._run_epoch(model, epoch, train_dataloader, *args, **kwargs)
 
     def _is_streaming(self) -> bool:
@@ -430,13 +455,23 @@ class MMFusionTrainer(Trainer):
         self._stream_loader = loader
         return loader
 
-    def _get_dataloader(self, dataset, description, batch_size, sampler_fn=None, is_training=False, **kwargs):
+    def get_eval_dataloader(self, eval_dataset=None):
+        with self._evaluation_collator():
+            return super().get_eval_dataloader(eval_dataset)
+
+    def get_test_dataloader(self, test_dataset):
+        with self._evaluation_collator():
+            return super().get_test_dataloader(test_dataset)
+
+    @contextlib.contextmanager
+    def _evaluation_collator(self):
         """Evaluation and prediction use `eval_data_collator` when given (e.g. the training one augments)."""
-        if is_training or self.eval_data_collator is None:
-            return super()._get_dataloader(dataset, description, batch_size, sampler_fn, is_training, **kwargs)
+        if self.eval_data_collator is None:
+            yield
+            return
         train_collator, self.data_collator = self.data_collator, self.eval_data_collator
         try:
-            return super()._get_dataloader(dataset, description, batch_size, sampler_fn, is_training, **kwargs)
+            yield
         finally:
             self.data_collator = train_collator
 
