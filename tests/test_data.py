@@ -1,5 +1,6 @@
 """Data pipeline: sources, validation against a planted corpus of bad files, alignment of what is kept."""
 
+import collections
 import io
 import json
 import os
@@ -226,6 +227,14 @@ def test_easy_vqa_source():
     assert len(set(data["train"]["id"])) == len(data["train"])
     row = data["train"][0]
     assert os.path.isfile(row["image"]) and row["image"].endswith(f"{row['image_id']}.png")
+    # Every question has its type, and the types are the four question templates of easy-VQA.
+    types = collections.Counter(data["test"]["question_type"])
+    assert set(types) == {"shape", "color", "yes_no_shape", "yes_no_color"} and sum(types.values()) == 9_673
+    examples = {row["question_type"]: (row["question"], answers.int2str(row["answer"])) for row in data["train"]}
+    assert examples["yes_no_shape"][1] in ("yes", "no") and any(
+        shape in examples["yes_no_shape"][0] for shape in ("circle", "rectangle", "triangle")
+    )
+    assert examples["shape"][1] in ("circle", "rectangle", "triangle") and examples["color"][1] not in ("yes", "no")
 
 
 def test_easy_vqa_cache_follows_the_installed_package(monkeypatch, tmp_path):

@@ -1,6 +1,7 @@
 """Image-text pair sources as `datasets` objects: the bundled easy-VQA, local files, or an in-memory dataset."""
 
 import os
+import re
 from collections.abc import Sequence
 
 from datasets import ClassLabel, Dataset, DatasetDict, Features, Value, load_dataset
@@ -12,7 +13,8 @@ def load_easy_vqa(splits: Sequence[str] = ("train", "test")) -> DatasetDict:
     38,575 / 9,673 questions, 13 answers) as a `DatasetDict` with one row per question.
 
     Columns: `id` (unique, e.g. `"train-17"`), `image` (absolute path of the PNG), `image_id` (questions about the same
-    picture share it), `question`, and `answer` (a `ClassLabel` over the 13 answers).
+    picture share it), `question`, `answer` (a `ClassLabel` over the 13 answers) and `question_type`: `shape` / `color`
+    (what is the shape / its colour), `yes_no_shape` / `yes_no_color` (is there a shape / a colour named in it).
     """
     import easy_vqa
 
@@ -27,6 +29,7 @@ def load_easy_vqa(splits: Sequence[str] = ("train", "test")) -> DatasetDict:
             "image_id": Value("int64"),
             "question": Value("string"),
             "answer": ClassLabel(names=answer_names),
+            "question_type": Value("string"),
         }
     )
     # Built by a generator so the splits are written to the Arrow cache: later `map` calls are then cached by
@@ -59,7 +62,20 @@ def _easy_vqa_rows(split: str, package: str):
             "image_id": image_id,
             "question": question,
             "answer": answer,
+            "question_type": easy_vqa_question_type(question, answer),
         }
+
+
+EASY_VQA_SHAPES = ("circle", "rectangle", "triangle")
+
+
+def easy_vqa_question_type(question: str, answer: str) -> str:
+    """What an easy-VQA question asks: `shape` or `color` (its answer names one), or, for a yes / no question,
+    `yes_no_shape` when it names a shape and `yes_no_color` when it names a colour."""
+    if answer not in ("yes", "no"):
+        return "shape" if answer in EASY_VQA_SHAPES else "color"
+    words = re.findall(r"[a-z]+", question.lower())
+    return "yes_no_shape" if any(shape in words for shape in EASY_VQA_SHAPES) else "yes_no_color"
 
 
 def load_pairs(source: str | os.PathLike | Dataset, split: str = "train", **load_kwargs) -> Dataset:

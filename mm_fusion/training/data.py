@@ -128,6 +128,8 @@ def load_raw_datasets(data_args: DataArguments, seed: int = 42, task: str = "vqa
         splits = [data_args.train_split] + ([data_args.eval_split] if data_args.eval_split else [])
         if data_args.dataset == "easy_vqa":
             raw, columns = load_easy_vqa(splits), EASY_VQA_COLUMNS
+            if task != "pretrain" and data_args.eval_group_columns is None:
+                data_args.eval_group_columns = "question_type"
         else:
             options = parse_overrides(data_args.dataset_options, flag="--dataset_options")
             captions = task == "pretrain"
