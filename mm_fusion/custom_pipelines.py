@@ -45,7 +45,10 @@ def registered_pipelines(config) -> dict[str, tuple[type, str]]:
         impl = info.get("impl")
         if task not in (getattr(impl, "_registered_impl", None) or {}):  # transformers' own pipelines
             continue
-        for auto_class in info.get("pt", ()):
+        for loader in info.get("pt", ()):
+            # mm_fusion registers loaders that check the saved head first and name the Auto class they load with
+            # (head_check.py).
+            auto_class = getattr(loader, "auto_class", loader)
             try:
                 model_class = auto_class._model_mapping[type(config)]
             except (KeyError, AttributeError):

@@ -10,15 +10,18 @@ Pipelines for MMFusion models: `pipeline(task, model=dir)` for the tasks transfo
   pipeline works with MMFusion pretraining models too.
 
 Every pipeline reads images with the model's saved processor ([`MMFusionImageProcessor`]: the function that built
-the training cache) and scores as the saved config says (`problem_type`), so serving sees what training saw. This
-module is saved next to the weights, so `pipeline(task, model=dir, trust_remote_code=True)` works where mm_fusion is
-not installed.
+the training cache) and scores as the saved config says (`problem_type`), so serving sees what training saw. Texts
+with words the tokenizer never saw are named in an [`UnknownWordsWarning`] (and in the results of the classification
+and matching pipelines). This module is saved next to the weights, so `pipeline(task, model=dir,
+trust_remote_code=True)` works where mm_fusion is not installed.
 """
 
 import json
 import math
 import os
+import warnings
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -34,6 +37,18 @@ except ImportError:  # pragma: no cover
 
 
 logger = logging.get_logger(__name__)
+
+# How many texts an UnknownWordsWarning names; the results of every text carry their own.
+WARNED_TEXTS = 5
+
+
+class UnknownWordsWarning(UserWarning):
+    """
+    Texts given to a pipeline hold words its tokenizer never saw, which the model cannot read: its answer rests on the
+    other words. A tokenizer trained from scratch (`train_tokenizer`, as `scripts/train.py` does without a pretrained
+    text tower) knows only the words of its training texts. `warnings.simplefilter("ignore", UnknownWordsWarning)`
+    silences it; [`_MMFusionPipeline.unknown_words`] gives the words.
+    """
 
 
 def _is_image_batch(value) -> bool:
@@ -92,6 +107,62 @@ class _MMFusionPipeline(Pipeline):
             texts, padding=True, truncation=max_length is not None, max_length=max_length, return_tensors="pt"
         )
         return {k: v for k, v in encoded.items() if k in ("input_ids", "attention_mask", "token_type_ids")}
+
+    @cached_property
+    def _whole_word_vocabulary(self) -> bool:
+        """Whether the tokenizer's vocabulary is whole words plus single characters (`train_tokenizer` on texts whose
+        words all fit in it): every word of its training texts is then one token, and a word split into pieces is one
+        it never saw."""
+        pieces = [token for token in self.tokenizer.get_vocab() if token.startswith("##")]
+        return bool(pieces) and all(len(token) == 3 for token in pieces)
+
+    def unknown_words(self, texts: list[str]) -> list[list[str]]:
+        """
+        Per text, the words of it the model cannot read: those the tokenizer maps to its unknown token (`[UNK]`), and
+        with a vocabulary of whole words (a tokenizer trained from scratch), those that are not one of its tokens:
+        they are split into pieces whose embeddings training never used.
+        """
+        tokenizer, unknown_id = self.tokenizer, self.tokenizer.unk_token_id
+        if not getattr(tokenizer, "is_fast", False):  # no word alignment: each whitespace-separated word on its own
+            return [
+                [word for word in text.split() if unknown_id in tokenizer(word, add_special_tokens=False)["input_ids"]]
+                for text in texts
+            ]
+        encoded = tokenizer(list(texts), add_special_tokens=False, return_offsets_mapping=True)
+        found = []
+        for i, text in enumerate(texts):
+            ids, offsets = encoded["input_ids"][i], encoded["offset_mapping"][i]
+            words: dict[int, list[int]] = {}
+            for position, word in enumerate(encoded.word_ids(i)):
+                if word is not None:
+                    words.setdefault(word, []).append(position)
+            unknown = []
+            for positions in words.values():
+                if unknown_id in (ids[p] for p in positions) or (self._whole_word_vocabulary and len(positions) > 1):
+                    unknown.append(text[offsets[positions[0]][0] : offsets[positions[-1]][1]])
+            found.append(list(dict.fromkeys(unknown)))
+        return found
+
+    def _warn_unknown_words(self, unknown: list[list[str]], kind: str, listed: bool = False) -> None:
+        """One [`UnknownWordsWarning`] for a call, naming the first texts with unknown words; `listed`: their results
+        carry them as `unknown_words`."""
+        flagged = [(i, words) for i, words in enumerate(unknown) if words]
+        if not flagged:
+            return
+        named = "; ".join(f"input {i}: {', '.join(map(repr, words))}" for i, words in flagged[:WARNED_TEXTS])
+        more = f"; and {len(flagged) - WARNED_TEXTS} more" if len(flagged) > WARNED_TEXTS else ""
+        results = (
+            "their results rest on the other words and list these as `unknown_words`"
+            if listed
+            else ("their results rest on the other words")
+        )
+        warnings.warn(
+            f"Words this model's tokenizer never saw, which the model cannot read, in {len(flagged)} of "
+            f"{len(unknown)} {kind} ({named}{more}); {results}. A tokenizer trained from scratch knows only the "
+            "words of its training texts.",
+            UnknownWordsWarning,
+            stacklevel=2,
+        )
 
     def _load_images(self, images: list, positions: list[int]) -> torch.Tensor:
         """Distinct images as the model's `pixel_values`; a bad one is a `ValueError` naming its input position."""
@@ -227,7 +298,10 @@ class ImageTextClassificationPipeline(_MMFusionPipeline):
 
     Keyword arguments: `top_k` (answers per input, default 1), `batch_size` (default 32).
     Scores are softmax probabilities for a single-label model and independent sigmoids for a multi-label one, as
-    the model's `config.problem_type` says.
+    the model's `config.problem_type` says. The answers come from the answers seen in training (`config.id2label`).
+    A question with words the tokenizer never saw ([`~_MMFusionPipeline.unknown_words`]) is answered from its other
+    words, with an [`UnknownWordsWarning`], and each of its answers lists them: `{"answer", "score",
+    "unknown_words": [...]}`.
     """
 
     heads = ("MMFusionForImageTextClassification",)
@@ -255,6 +329,11 @@ class ImageTextClassificationPipeline(_MMFusionPipeline):
             outputs = self.forward(model_inputs)
             for i, result in zip(chunk, self.postprocess(outputs, top_k=top_k)):
                 results[i] = result
+        unknown = self.unknown_words(texts)
+        self._warn_unknown_words(unknown, "questions", listed=True)
+        for answers, words in zip(results, unknown):
+            for answer in answers if words else ():
+                answer["unknown_words"] = words
         return results
 
     def preprocess(self, images: list, texts: list[str], positions: list[int]) -> dict[str, torch.Tensor]:
@@ -280,7 +359,8 @@ class ImageTextMatchingPipeline(_MMFusionPipeline):
     The probability that an image and a text match, from the image-text matching head of a pretraining model
     (`scripts/train.py --task pretrain`): `pipe(image=..., text="...")` -> `{"score": float}`; several texts for one
     image, pairs of lists, or a list of `{"image", "text"}` dicts give a list. The score is the matching head's
-    softmax probability of "matches".
+    softmax probability of "matches". A text with words the tokenizer never saw gets an [`UnknownWordsWarning`] and
+    `"unknown_words": [...]` in its result.
     """
 
     heads = ("MMFusionForPretraining",)
@@ -302,6 +382,11 @@ class ImageTextMatchingPipeline(_MMFusionPipeline):
             positions = list(range(start, end))
             model_inputs = self.preprocess(pairs.images[start:end], pairs.texts[start:end], positions)
             scores += self.postprocess(self.forward(model_inputs))
+        unknown = self.unknown_words(pairs.texts)
+        self._warn_unknown_words(unknown, "texts", listed=True)
+        for score, words in zip(scores, unknown):
+            if words:
+                score["unknown_words"] = words
         return scores[0] if pairs.single else scores
 
     def preprocess(self, images: list, texts: list[str], positions: list[int]) -> dict[str, torch.Tensor]:
@@ -409,6 +494,8 @@ class ImageTextRetrievalPipeline(_MMFusionPipeline):
                     pixels.append(batch)
             else:
                 embeddings.append(self._embed_texts(items[start:end]))
+        if texts is not None:
+            self._warn_unknown_words(self.unknown_words(items), "gallery texts")
         return RetrievalIndex(
             modality="image" if images is not None else "text",
             embeddings=torch.cat(embeddings),
@@ -439,6 +526,7 @@ class ImageTextRetrievalPipeline(_MMFusionPipeline):
             query_embeds = torch.cat(
                 [self._embed_texts(queries[s:e]) for s, e in self._batches(len(queries), batch_size, "queries")]
             )
+            self._warn_unknown_words(self.unknown_words(queries), "queries")
         else:
             query_embeds = torch.cat(
                 [
@@ -523,6 +611,7 @@ class CachedZeroShotImageClassificationPipeline(_MMFusionPipeline):
         if key not in self._prompt_cache:
             prompts = [template.format(label) for label in labels]
             self._prompt_cache[key] = self._embed_texts(prompts)
+            self._warn_unknown_words(self.unknown_words(prompts), "label prompts")
         return self._prompt_cache[key]
 
 
@@ -560,4 +649,5 @@ __all__ = [
     "ImageTextRetrievalPipeline",
     "PIPELINE_TASKS",
     "RetrievalIndex",
+    "UnknownWordsWarning",
 ]

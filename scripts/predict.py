@@ -7,17 +7,29 @@ One image and question prints the answers. `--input` (jsonl or csv with `image` 
 image paths are read under `--data_root`, by default the input file's directory) runs them all in batches with a
 progress bar and writes one jsonl line per input row, in order: its answers, or the reason it could not be answered.
 No row is dropped. A pretraining model (`--task pretrain`) gives the image-text matching probability instead.
+
+A question with words the model's tokenizer never saw is answered from its other words, with a warning; its row lists
+them as `unknown_words`. Each option is given once (several questions go in an `--input` file).
+
+Exit status: 0 when every question was answered; 3 when `--input` had rows that could not be (every row is still
+written, with its `error`); 2 for a bad command line or a missing model, image or input file; 1 when the one image
+cannot be read.
 """
 
 import csv
 import json
 import os
 import sys
+import warnings
 from dataclasses import dataclass, field
 
-from transformers import HfArgumentParser, pipeline
+from transformers import pipeline
 
-import mm_fusion  # noqa: F401  (registers the pipelines)
+import mm_fusion  # registers the pipelines
+from mm_fusion.cli import ScriptArgumentParser
+
+
+EXIT_ROWS_FAILED = 3
 
 
 @dataclass
@@ -66,9 +78,19 @@ class Predictor:
         self.top_k = args.top_k
 
     def __call__(self, images: list, questions: list[str]) -> list:
+        # Unknown words are reported per row (`unknown_words`) and summed up at the end, not warned per batch.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", mm_fusion.UnknownWordsWarning)
+            if self.matching:
+                return self.pipe(image=images, text=questions)
+            return self.pipe(image=images, question=questions, top_k=self.top_k)
+
+    def unknown_words(self, output) -> list[str]:
+        """The words of the question the tokenizer never saw, taken out of one input's output."""
         if self.matching:
-            return self.pipe(image=images, text=questions)
-        return self.pipe(image=images, question=questions, top_k=self.top_k)
+            return output.pop("unknown_words", [])
+        words = [answer.pop("unknown_words", []) for answer in output]  # each answer of the input has the same
+        return words[0] if words else []
 
 
 def predict_rows(predictor: Predictor, rows: list[dict], args: PredictArguments, root: str) -> list[dict]:
@@ -105,10 +127,14 @@ def predict_rows(predictor: Predictor, rows: list[dict], args: PredictArguments,
         for (number, _, _), output in zip(batch, outputs):
             if isinstance(output, Exception):
                 results[number]["error"] = str(output).replace("Input 0 ", "", 1)
-            elif predictor.matching:
+                continue
+            unknown = predictor.unknown_words(output)
+            if predictor.matching:
                 results[number]["score"] = output["score"]
             else:
                 results[number]["answers"] = output
+            if unknown:
+                results[number]["unknown_words"] = unknown
         bar.update(len(batch))
     bar.close()
     return results
@@ -120,17 +146,47 @@ def _progress(total: int):
     return tqdm(total=total, desc="questions", unit="q", disable=total == 0)
 
 
-def main(argv: list[str] | None = None) -> list[dict]:
-    (args,) = HfArgumentParser(PredictArguments, allow_abbrev=False).parse_args_into_dataclasses(args=argv)
+def parse_args(argv: list[str] | None = None) -> tuple[PredictArguments, ScriptArgumentParser]:
+    """The arguments, checked before any model is loaded: a mistake is a one-line error, exit status 2."""
+    parser = ScriptArgumentParser(PredictArguments)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    several = "to ask several questions, put them in an --input file (one row each)"
+    parser.refuse_repeats(argv, hints={"--question": several, "--image": several})
+    (args,) = parser.parse_args_into_dataclasses(args=argv)
     if (args.input is None) == (args.image is None):
-        raise ValueError("Pass either --image with --question, or --input FILE.")
+        parser.error("pass either --image with --question, or --input FILE.")
     if args.image is not None and not args.question:
-        raise ValueError("--image needs --question.")
+        parser.error("--image needs --question.")
     if args.top_k < 1 or args.batch_size < 1:
-        raise ValueError("--top_k and --batch_size must be at least 1.")
+        parser.error("--top_k and --batch_size must be at least 1.")
+    try:
+        mm_fusion.check_model_path(args.model)
+    except FileNotFoundError as err:
+        parser.error(f"--model: {err}")
+    for option in ("image", "input"):
+        path = getattr(args, option)
+        if path is not None and not os.path.isfile(path):
+            parser.error(f"--{option} {path}: no file at {os.path.abspath(path)}.")
+    return args, parser
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    """The answers (one result per question or row); the exit status follows from them (see the module docstring)."""
+    args, parser = parse_args(argv)
     predictor = Predictor(args)
     if args.image is not None:
-        (output,) = predictor([args.image], [args.question])
+        try:
+            (output,) = predictor([args.image], [args.question])
+        except ValueError as err:  # an image that cannot be read: the pipeline names it and the reason
+            sys.exit(f"{parser.prog}: error: --image {str(err).replace('Input 0 ', '', 1)}")
+        unknown = predictor.unknown_words(output)
+        if unknown:
+            words = ", ".join(map(repr, unknown))
+            print(
+                f"{parser.prog}: warning: the model's tokenizer never saw {words}, so the answer rests on the other "
+                "words of the question.",
+                file=sys.stderr,
+            )
         if predictor.matching:
             print(f"match probability: {output['score']:.4f}")
         else:
@@ -149,9 +205,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
         if args.output:
             out.close()
     failed = sum("error" in r for r in results)
-    print(f"{len(results) - failed} of {len(results)} rows answered, {failed} could not be", file=sys.stderr)
+    unknown = sum("unknown_words" in r for r in results)
+    print(
+        f"{len(results) - failed} of {len(results)} rows answered, {failed} could not be"
+        + (f"; {unknown} have words the tokenizer never saw (their `unknown_words`)" if unknown else ""),
+        file=sys.stderr,
+    )
     return results
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(EXIT_ROWS_FAILED if any("error" in result for result in main()) else 0)

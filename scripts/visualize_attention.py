@@ -11,14 +11,17 @@ out and its share reported). The PNG shows the image as the model saw it, then o
 """
 
 import math
+import os
 import sys
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from transformers import AutoModelForVisualQuestionAnswering, AutoProcessor, HfArgumentParser
+from transformers import AutoConfig, AutoModelForVisualQuestionAnswering, AutoProcessor
 
-import mm_fusion  # noqa: F401  (registers the Auto classes)
+import mm_fusion  # registers the Auto classes
+from mm_fusion.cli import ScriptArgumentParser
+from mm_fusion.head_check import MissingHeadError, check_saved_head
 
 
 @dataclass
@@ -56,8 +59,26 @@ def attention_maps(model, batch, token: int | None = None) -> tuple[list[np.ndar
     return maps, extra, outputs.logits
 
 
+def parse_args(argv: list[str] | None = None) -> VisualizeArguments:
+    """The arguments, checked before any model is loaded: a mistake is a one-line error, exit status 2."""
+    parser = ScriptArgumentParser(VisualizeArguments)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser.refuse_repeats(argv)
+    (args,) = parser.parse_args_into_dataclasses(args=argv)
+    try:
+        mm_fusion.check_model_path(args.model)
+        # The attention of a VQA / classification model: any other head would answer from a fresh classifier.
+        heads = ("MMFusionForImageTextClassification",)
+        check_saved_head(heads, AutoConfig.from_pretrained(args.model), "scripts/visualize_attention.py", args.model)
+    except (FileNotFoundError, MissingHeadError) as err:
+        parser.error(f"--model: {err}")
+    if not os.path.isfile(args.image):
+        parser.error(f"--image {args.image}: no file at {os.path.abspath(args.image)}.")
+    return args
+
+
 def main(argv: list[str] | None = None) -> str:
-    (args,) = HfArgumentParser(VisualizeArguments, allow_abbrev=False).parse_args_into_dataclasses(args=argv)
+    args = parse_args(argv)
     import matplotlib
 
     matplotlib.use("Agg")

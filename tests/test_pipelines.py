@@ -4,6 +4,7 @@ import json
 import subprocess
 import sys
 import textwrap
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +14,7 @@ from datasets import Dataset
 from helpers.remote_code import BLOCK_MM_FUSION
 from helpers.training import TINY as TINY_RUN
 from PIL import Image
-from transformers import AutoImageProcessor, AutoProcessor, pipeline
+from transformers import AutoImageProcessor, AutoModelForPreTraining, AutoProcessor, pipeline
 
 import mm_fusion
 from mm_fusion import MMFusionImageProcessor, RetrievalIndex
@@ -202,10 +203,76 @@ def test_vqa_pipeline_names_the_bad_input(vqa_run, tmp_path):
         pipe(image=[good] * 3, question=["a", "b"])
 
 
-def test_a_pretraining_pipeline_refuses_a_vqa_model(vqa_run):
-    out, _, _ = vqa_run
-    with pytest.raises(ValueError, match="image-text-matching pipeline needs a model trained with the head"):
-        pipeline("image-text-matching", model=str(out))
+def test_a_task_whose_head_the_model_lacks_is_refused_before_any_weight_is_read(vqa_run, pretrain_run, monkeypatch):
+    """transformers' zero-shot pipeline served a VQA model from fresh layers (near-uniform scores, silently), and
+    mm_fusion's own pipelines refused only after loading it. Now every such task is refused before `from_pretrained`
+    runs, with what was saved and what serves it; loading across heads outside a pipeline (fine-tuning) still works."""
+    vqa, pretrain = str(vqa_run[0]), str(pretrain_run[0])
+    cases = [
+        (task, vqa, "MMFusionForImageTextClassification", "It serves image-text-classification.")
+        for task in (
+            "zero-shot-image-classification",
+            "image-text-matching",
+            "image-text-retrieval",
+            "cached-zero-shot-image-classification",
+        )
+    ] + [("image-text-classification", pretrain, "MMFusionForPretraining", f"--model_name_or_path {pretrain}.")]
+    with monkeypatch.context() as patch:
+        loads = []
+        real = mm_fusion.MMFusionPreTrainedModel.from_pretrained.__func__
+        patch.setattr(
+            mm_fusion.MMFusionPreTrainedModel,
+            "from_pretrained",
+            classmethod(lambda cls, *args, **kwargs: loads.append(cls) or real(cls, *args, **kwargs)),
+        )
+        for task, path, saved, instead in cases:
+            with pytest.raises(mm_fusion.MissingHeadError) as refused:
+                pipeline(task, model=path)
+            message = str(refused.value)
+            assert task in message and f"{path} was saved as {saved}" in message and instead in message, message
+        assert loads == []  # refused before any model class was asked to read weights
+        assert (
+            type(pipeline("zero-shot-image-classification", model=pretrain).model).__name__ == "MMFusionForPretraining"
+        )
+        assert loads  # the same hook sees a load that goes through
+    # Outside a pipeline a checkpoint still starts another head, as fine-tuning does (scripts/train.py
+    # --model_name_or_path): its towers and fusion load, the new head starts fresh.
+    tuned = mm_fusion.MMFusionForImageTextClassification.from_pretrained(pretrain, num_labels=3)
+    assert torch.equal(
+        tuned.mm_fusion.text_model.embeddings.word_embeddings.weight,
+        mm_fusion.MMFusionForPretraining.from_pretrained(
+            pretrain
+        ).mm_fusion.text_model.embeddings.word_embeddings.weight,
+    )
+    assert type(AutoModelForPreTraining.from_pretrained(vqa)).__name__ == "MMFusionForPretraining"
+
+
+def test_words_the_tokenizer_never_saw_are_warned_about_and_named(vqa_run, pretrain_run):
+    """'hexagon' has a letter no training question has (it becomes [UNK]); 'asdf' and 'qwerty' are split into letters
+    whose embeddings training never used (every training word is one token): answers came back confident, silently."""
+    vqa, _, _ = vqa_run
+    pipe = pipeline("image-text-classification", model=str(vqa))
+    image = _eval_rows(1)[0]["image"]
+    assert pipe.unknown_words(["what shape is the hexagon?", "asdf qwerty", "What COLOR is the shape?"]) == [
+        ["hexagon"],
+        ["asdf", "qwerty"],
+        [],
+    ]
+    with pytest.warns(mm_fusion.UnknownWordsWarning, match=r"in 2 of 3 questions \(input 0: 'hexagon'; input 2: "):
+        answers = pipe(
+            image=image, question=["what shape is the hexagon?", "what shape is in the image?", "asdf qwerty"]
+        )
+    assert [answer.get("unknown_words") for answer in (a[0] for a in answers)] == [
+        ["hexagon"],
+        None,
+        ["asdf", "qwerty"],
+    ]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a question of known words: no warning, the usual fields
+        assert set(pipe(image=image, question="what shape is in the image?")[0]) == {"answer", "score"}
+    matcher = pipeline("image-text-matching", model=str(pretrain_run[0]))
+    with pytest.warns(mm_fusion.UnknownWordsWarning, match="'hexagon'"):
+        assert matcher(image=image, text="a hexagon")["unknown_words"] == ["hexagon"]
 
 
 def test_pipeline_save_pretrained_keeps_the_processor(vqa_run, tmp_path):
@@ -377,13 +444,21 @@ def test_shipped_recall_metric_matches_ranks():
 # -- tools: predict, attention maps, push_to_hub -------------------------------------------------------------------
 
 
-def _run_script(name: str, *args: str) -> subprocess.CompletedProcess:
-    """`python scripts/<name>.py args`, as a user runs it."""
+def _run_script(name: str, *args: str, status: int = 0, cwd=None) -> subprocess.CompletedProcess:
+    """`python scripts/<name>.py args`, as a user runs it; it must end with exit status `status`."""
     done = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / f"{name}.py"), *args], capture_output=True, text=True
+        [sys.executable, str(ROOT / "scripts" / f"{name}.py"), *args], capture_output=True, text=True, cwd=cwd
     )
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == status, done.stderr[-3000:]
     return done
+
+
+def _one_line_error(done: subprocess.CompletedProcess, prog: str) -> str:
+    """The error a script ended with: one `prog: error:` line on stderr, no traceback, nothing about the hub."""
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith(f"{prog}: error: "), done.stderr[-3000:]
+    assert "Traceback" not in done.stderr and "huggingface.co" not in done.stderr
+    return lines[0]
 
 
 def test_predict_cli_answers_one_question_and_a_file_keeping_every_row(vqa_run, tmp_path):
@@ -402,8 +477,10 @@ def test_predict_cli_answers_one_question_and_a_file_keeping_every_row(vqa_run, 
     lines.insert(4, json.dumps({"image": rows[0]["image"]}))
     lines.insert(5, "{not json")
     (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
-    _run_script("predict", "--model", str(out), "--input", str(tmp_path / "in.jsonl"), "--output",
-                str(tmp_path / "out.jsonl"), "--top_k", "2", "--batch_size", "3")  # fmt: skip
+    # Rows that cannot be answered make the exit status 3; every row is still written.
+    done = _run_script("predict", "--model", str(out), "--input", str(tmp_path / "in.jsonl"), "--output",
+                       str(tmp_path / "out.jsonl"), "--top_k", "2", "--batch_size", "3", status=3)  # fmt: skip
+    assert "3 of 7 rows answered, 4 could not be" in done.stderr
     written = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
     assert [r["row"] for r in written] == list(range(7))
     errors = {r["row"]: r["error"] for r in written if "error" in r}
@@ -415,6 +492,47 @@ def test_predict_cli_answers_one_question_and_a_file_keeping_every_row(vqa_run, 
     for got, want in zip(answered, expected):
         assert [a["answer"] for a in got["answers"]] == [a["answer"] for a in want]
         assert [a["score"] for a in got["answers"]] == pytest.approx([a["score"] for a in want], abs=1e-6)
+
+
+def test_predict_and_attention_errors_are_one_line_before_any_model_is_loaded(vqa_run, pretrain_run, tmp_path):
+    """A missing model directory went to the hub (28 s of retries, a 66-line traceback); a repeated --question kept the
+    last silently; a missing image ended in a traceback. Each is now one `error:` line, exit status 2."""
+    out, _, _ = vqa_run
+    (tmp_path / "outputs" / "easy_vqa").mkdir(parents=True)
+    (tmp_path / "outputs" / "easy_vqa" / "config.json").write_text("{}")
+    image = _eval_rows(1)[0]["image"]
+    ask = ["--image", image, "--question", "what shape is in the image?"]
+    for script in ("predict", "visualize_attention"):
+        done = _run_script(script, "--model", "outputs/easy_vqa2", *ask, status=2, cwd=tmp_path)
+        line = _one_line_error(done, f"{script}.py")
+        assert "no model directory at outputs/easy_vqa2" in line and "Did you mean outputs/easy_vqa?" in line
+    line = _one_line_error(
+        _run_script("predict", "--model", str(out), *ask, "--question", "why?", status=2), "predict.py"
+    )
+    assert "--question was given 2 times ('what shape is in the image?', 'why?')" in line and "--input" in line
+    missing = tmp_path / "nope.png"
+    for script in ("predict", "visualize_attention"):
+        done = _run_script(script, "--model", str(out), "--image", str(missing), "--question", "what?", status=2)
+        assert f"--image {missing}: no file at {missing}" in _one_line_error(done, f"{script}.py")
+    line = _one_line_error(_run_script("predict", "--model", str(out), "--imag", image, status=2), "predict.py")
+    assert "unrecognized arguments: --imag" in line and "Did you mean --image?" in line
+    done = _run_script("visualize_attention", "--model", str(pretrain_run[0]), *ask, status=2)
+    assert "saved as MMFusionForPretraining" in _one_line_error(done, "visualize_attention.py")
+
+
+def test_predict_names_the_words_the_tokenizer_never_saw(vqa_run, tmp_path):
+    out, _, _ = vqa_run
+    image = _eval_rows(1)[0]["image"]
+    done = _run_script("predict", "--model", str(out), "--image", image, "--question", "what shape is the hexagon?")
+    assert "predict.py: warning: the model's tokenizer never saw 'hexagon'" in done.stderr
+    assert "Traceback" not in done.stderr and done.stdout.count("\t") == 1
+    rows = [{"image": image, "question": q} for q in ("asdf qwerty", "what shape is in the image?")]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    done = _run_script("predict", "--model", str(out), "--input", str(tmp_path / "in.jsonl"))
+    written = [json.loads(line) for line in done.stdout.splitlines()]
+    assert [r.get("unknown_words") for r in written] == [["asdf", "qwerty"], None]
+    assert all(set(answer) == {"answer", "score"} for r in written for answer in r["answers"])
+    assert "1 have words the tokenizer never saw" in done.stderr and "UnknownWordsWarning" not in done.stderr
 
 
 def test_visualize_attention_writes_a_heat_map_per_fusion_layer(vqa_run, tmp_path):

@@ -2,6 +2,8 @@
 process, and the quick-start script trains, saves and reloads (shortened here)."""
 
 import json
+import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -36,6 +38,24 @@ def test_train_script_runs_the_steps_of_the_library(tmp_path):
     assert f"easy_vqa evaluation (24 pairs): accuracy = {results['eval_accuracy']:.4f}" in done.stdout
     files = {p.name for p in (tmp_path / "script").iterdir()}
     assert files == {p.name for p in (tmp_path / "library").iterdir()}
+    # The card records the command that ran (it showed `scripts/train.py ...` whatever the launcher).
+    command = shlex.join(
+        ["python", str(ROOT / "scripts" / "train.py"), "--output_dir", str(tmp_path / "script"), *flags]
+    )
+    assert f"| command | `{command}` |" in (tmp_path / "script" / "README.md").read_text()
+
+
+def test_the_card_of_an_accelerate_launch_records_that_command(tmp_path):
+    accelerate = str(Path(sys.executable).with_name("accelerate"))
+    script = str(ROOT / "scripts" / "train.py")
+    flags = [*TINY, "--max_train_samples", "16", "--max_steps", "1", "--eval_strategy", "no", "--save_strategy", "no",
+             "--output_dir", str(tmp_path / "out")]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    launch = [accelerate, "launch", "--num_processes", "1", "--num_cpu_threads_per_process", "1", script, *flags]
+    done = subprocess.run(launch, capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    command = shlex.join(["accelerate", *launch[1:]])
+    assert f"| command | `{command}` |" in (tmp_path / "out" / "README.md").read_text()
 
 
 def test_quickstart_trains_saves_and_reloads(tmp_path):

@@ -3,6 +3,8 @@
 import json
 import logging
 import os
+import re
+import shlex
 import time
 from pathlib import Path
 
@@ -11,8 +13,9 @@ import pytest
 import torch
 from helpers.training import TINY, correct_by_hand, recall_by_hand, train
 from PIL import Image
-from transformers import AutoModelForPreTraining, AutoModelForVisualQuestionAnswering, AutoProcessor
+from transformers import AutoModelForPreTraining, AutoModelForVisualQuestionAnswering, AutoProcessor, pipeline
 
+from mm_fusion.data import load_easy_vqa
 from mm_fusion.training import (
     MMFusionArgumentParser,
     MMFusionImageGroupedSampler,
@@ -56,6 +59,16 @@ def test_vqa_run_saves_a_loadable_model_with_its_card(tmp_path):
     assert f"| accuracy | {results['eval_accuracy']:.4f} |" in card
     assert "![training curves](training_curves.png)" in card and (out / "training_curves.png").stat().st_size > 1000
     assert "AutoModelForVisualQuestionAnswering.from_pretrained" in card and "transformers 5." in card
+    check_card_front_matter(card, "other", "image-text-classification")
+    # The command that ran (set up in code here: its `python scripts/train.py` equivalent), two distinct questions of
+    # the data in the example, and what the training set held (not steps x batch size).
+    argv = tiny_args(tmp_path, "--num_train_epochs", "2")
+    assert f"| command | `{shlex.join(['python', 'scripts/train.py', *argv])}` |" in card
+    examples = json.loads(re.search(r"question=(\[.*\])\)", card).group(1))
+    rows = load_easy_vqa(["test"])["test"].select(range(40))
+    assert len(set(examples)) == 2 and set(examples) <= set(rows["question"])
+    images = len(set(load_easy_vqa(["train"])["train"].select(range(64))["image"]))
+    assert f"The training set: 64 pairs of {images} distinct images." in card
     # The monitor's numbers went into Trainer's logs (and so to every report_to backend).
     state = json.loads((out / "trainer_state.json").read_text())
     logged = [h for h in state["log_history"] if "loss" in h]
@@ -92,6 +105,35 @@ def test_pretrain_task_reports_retrieval_recall(tmp_path):
     assert results["eval_text_to_image_R@10"] > results["eval_text_to_image_R@1"]
     model = AutoModelForPreTraining.from_pretrained(tmp_path / "out", trust_remote_code=True)
     assert type(model).__name__ == "MMFusionForPretraining"
+    tag = check_card_front_matter((tmp_path / "out" / "README.md").read_text(), "zero-shot-image-classification")
+    assert type(pipeline(tag, model=str(tmp_path / "out")).model).__name__ == "MMFusionForPretraining"
+
+
+def check_card_front_matter(card: str, pipeline_tag: str, *tags: str) -> str:
+    """The card's hub metadata: `pipeline_tag` (a task transformers 5 did not remove: `visual-question-answering` was,
+    and `pipeline(model=repo)` failed on it), and the given `tags` among its tags."""
+    import yaml
+    from transformers.pipelines import REMOVED_TASKS
+
+    metadata = yaml.safe_load(card.split("---")[1])
+    assert metadata["pipeline_tag"] == pipeline_tag not in REMOVED_TASKS
+    assert set(tags) <= set(metadata["tags"])
+    return metadata["pipeline_tag"]
+
+
+def test_a_streaming_runs_card_says_what_was_counted(tmp_path):
+    """A stream has no length: its card gave steps x batch size as "N pairs (N distinct images)". It now says that
+    training read N pairs from the stream and that distinct pairs and images were not counted."""
+    from helpers.shards import write_shards
+
+    write_shards(str(tmp_path / "wds"), shards=2, rows=10)
+    flags = [*TINY, "--streaming", "--dataset", str(tmp_path / "wds" / "*.tar"), "--class_names", "no,yes",
+             "--label_column", "answer", "--id_column", "uid", "--per_device_train_batch_size", "4", "--max_steps",
+             "3", "--eval_strategy", "no", "--save_strategy", "no", "--output_dir", str(tmp_path / "out")]  # fmt: skip
+    train(flags)
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert "Streamed: training read 12 pairs (3 optimizer steps x 4 pairs)" in card
+    assert "distinct images" not in card.replace("distinct pairs or images is not known", "")
 
 
 def make_pairs(directory: Path, n: int, labels=("cat", "dog")) -> Path:
@@ -455,14 +497,21 @@ def test_every_script_help_runs(script):
         assert "--validation_split_percentage" in text and "hold out this percentage of the training pairs" in text
 
 
-def test_config_keys_and_flags_must_be_spelt_out(tmp_path):
-    """argparse would take `learning_rat` as an abbreviation of `learning_rate`."""
+def test_config_keys_and_flags_must_be_spelt_out(tmp_path, capsys):
+    """argparse would take `learning_rat` as an abbreviation of `learning_rate`. A config key and a flag with that typo
+    are both one `error:` line that suggests the option, exit status 2 as for argparse's own errors (the flag used to
+    raise a ValueError with no suggestion)."""
     config = tmp_path / "run.yaml"
     config.write_text("num_train_epochs: 1\nlearning_rat: 0.1\n")
-    with pytest.raises(ValueError, match=r"run.yaml: 'learning_rat' is not an option.*Did you mean 'learning_rate'"):
-        parse([str(config)])
-    with pytest.raises(ValueError, match="learning_rat"):
-        parse(["--learning_rat", "0.1"])
+    for argv, error in [
+        ([str(config)], "'learning_rat' is not an option of scripts/train.py. Did you mean 'learning_rate'?"),
+        (["--learning_rat", "0.1"], "unrecognized arguments: --learning_rat 0.1. Did you mean --learning_rate?"),
+        (["--learning_rat=0.1", "--num_train_epoch", "1"], "--learning_rate for --learning_rat, --num_train_epochs"),
+    ]:
+        with pytest.raises(SystemExit) as exited:
+            parse(argv)
+        lines = capsys.readouterr().err.splitlines()
+        assert exited.value.code == 2 and len(lines) == 1 and ": error: " in lines[0] and error in lines[0], lines
 
 
 def test_no_evaluation_data_is_an_error_before_any_preprocessing(tmp_path):

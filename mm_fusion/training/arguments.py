@@ -12,8 +12,9 @@ from functools import cached_property
 from pathlib import Path
 
 import torch
-from transformers import HfArgumentParser, TrainingArguments
+from transformers import TrainingArguments
 
+from ..cli import ScriptArgumentParser
 from .checkpoints import resolve_resume_checkpoint
 from .launch import check_launch
 
@@ -428,11 +429,11 @@ def check_streaming(model_args, data_args, training_args) -> None:
         )
 
 
-class MMFusionArgumentParser(HfArgumentParser):
+class MMFusionArgumentParser(ScriptArgumentParser):
     """
     `HfArgumentParser` over [`ModelArguments`], [`DataArguments`] and [`MMFusionTrainingArguments`] that also reads a
     config file, as trl's `TrlParser.parse_args_and_config` does. Abbreviations are refused: `--learning_rat` (or a
-    config key `learning_rat`) is an error, not `--learning_rate`.
+    config key `learning_rat`) is a one-line error that suggests `--learning_rate` (exit status 2, as argparse's).
 
     Example:
 
@@ -446,7 +447,6 @@ class MMFusionArgumentParser(HfArgumentParser):
     """
 
     def __init__(self, **kwargs):
-        kwargs.setdefault("allow_abbrev", False)
         super().__init__((ModelArguments, DataArguments, MMFusionTrainingArguments), **kwargs)
 
     def parse_args_and_config(
@@ -501,6 +501,6 @@ class MMFusionArgumentParser(HfArgumentParser):
             if key not in known:
                 close = difflib.get_close_matches(str(key), known, n=1)
                 hint = f" Did you mean {close[0]!r}?" if close else " `--help` lists the options."
-                raise ValueError(f"Config file {path}: {key!r} is not an option of scripts/train.py.{hint}")
+                self.error(f"config file {path}: {key!r} is not an option of scripts/train.py.{hint}")
             flags += [f"--{key}", *(map(str, value) if isinstance(value, list) else [str(value)])]
         return flags

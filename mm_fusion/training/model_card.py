@@ -106,15 +106,36 @@ def write_model_card(template_path: str | Path, output_dir: str | Path, context:
     return path
 
 
+# Per task: its description, the hub's pipeline tag, the hub task of the evaluation results, the pipeline that serves
+# it and the card's head. transformers 5 removed the `visual-question-answering` pipeline: a card with that tag makes
+# `pipeline(model=repo)` fail on it, and the hub refuses tags outside its own list, so a classifier is tagged `other`
+# and its pipeline task (`image-text-classification`, mm_fusion's own) is named in `tags` and in the card.
 TASK_DESCRIPTIONS = {
-    "vqa": ("visual question answering", "visual-question-answering", "classifier over the answers"),
-    "classify": ("image-text classification", "visual-question-answering", "classifier over the classes"),
+    "vqa": (
+        "visual question answering",
+        "other",
+        "visual-question-answering",
+        "image-text-classification",
+        "classifier over the answers",
+    ),
+    "classify": (
+        "image-text classification",
+        "other",
+        "other",
+        "image-text-classification",
+        "classifier over the classes",
+    ),
     "pretrain": (
         "image-text retrieval / matching",
         "zero-shot-image-classification",
+        "zero-shot-image-classification",
+        "image-text-retrieval",
         "contrastive (ITC) and matching (ITM)",
     ),
 }
+# Example texts of a card when the data gives none to decode.
+FALLBACK_EXAMPLES = ("a photo", "a drawing")
+
 FUSION_DESCRIPTIONS = {
     "hierarchical": "hierarchical cross-attention bridges (fusion layers fed from several tower layers)",
     "cross_attention": "a co-attention stack over the towers' final features",
@@ -171,11 +192,12 @@ def model_card_context(
     metrics = {k: v for k, v in metrics.items() if isinstance(v, float) and not k.endswith(("runtime", "per_second"))}
     train = next((h for h in reversed(history) if "train_runtime" in h), {})
     task = model_args.task
-    description, pipeline_tag, head = TASK_DESCRIPTIONS[task]
+    description, pipeline_tag, index_task, pipeline_task, head = TASK_DESCRIPTIONS[task]
     train_pairs = prepared.pairs["train"]
     eval_pairs = prepared.pairs["eval"] if "eval" in prepared.pairs else None
     per_step = training_args.per_device_train_batch_size * training_args.gradient_accumulation_steps
     global_batch = per_step * training_args.world_size
+    # A stream has no length to count in advance: what training read of it, steps x global batch, is what is known.
     streamed = trainer.state.global_step * global_batch if data_args.streaming else None
     easy = data_args.dataset == "easy_vqa"
     precision = "bf16" if training_args.bf16 else "fp16" if training_args.fp16 else "fp32"
@@ -187,6 +209,8 @@ def model_card_context(
         "task": task,
         "task_description": description,
         "pipeline_tag": pipeline_tag,
+        "index_task": index_task,
+        "pipeline_task": pipeline_task,
         "head": head + (f" ({config.num_labels} classes)" if task != "pretrain" else ""),
         "fusion_type": config.fusion_type,
         "fusion_description": FUSION_DESCRIPTIONS[config.fusion_type],
@@ -205,6 +229,9 @@ def model_card_context(
         "from_scratch": not (
             model_args.model_name_or_path or model_args.vision_model_name_or_path or model_args.text_model_name_or_path
         ),
+        "tokenizer_trained": not (
+            model_args.tokenizer_name_or_path or model_args.text_model_name_or_path or model_args.model_name_or_path
+        ),
         "dataset_name": "easy-VQA" if easy else data_args.dataset,
         "dataset_id": None if easy or os.path.exists(data_args.dataset) else data_args.dataset,
         "dataset_description": (
@@ -214,17 +241,18 @@ def model_card_context(
             else f"Pairs from `{data_args.dataset}`."
         ),
         "eval_split": data_args.eval_split if easy or data_args.eval_split else "eval",
-        # A stream has no length: the pairs read in training (steps x global batch) stand in for it.
-        "train_pairs": len(train_pairs) if streamed is None else streamed,
+        "streamed_pairs": streamed,
+        "train_pairs": len(train_pairs) if streamed is None else None,
         "eval_pairs": len(eval_pairs) if eval_pairs is not None else 0,
-        "train_images": len(set(train_pairs["image_index"])) if streamed is None else streamed,
+        "train_images": len(set(train_pairs["image_index"])) if streamed is None else None,
         "quarantined": len(prepared.quarantine),
         "image_mean": [round(x, 3) for x in config.image_mean],
         "image_std": [round(x, 3) for x in config.image_std],
         "metrics": metrics,
         "main_metric": main_metric,
         "log_history": history,
-        "command": "scripts/train.py" + ("" if not args else " " + shlex.join(args)),
+        # The script as this process was started (by its launcher), or its equivalent for a run set up in code.
+        "command": launch_command(args, script=sys.argv[0] if argv is None else "scripts/train.py"),
         "epochs": training_args.num_train_epochs,
         "steps": trainer.state.global_step,
         "global_batch_size": training_args.per_device_train_batch_size
@@ -244,8 +272,68 @@ def model_card_context(
         "train_samples_per_second": train.get("train_samples_per_second", 0.0),
         "repo_or_path": training_args.hub_model_id or training_args.output_dir,
         "auto_class": auto_class,
-        "example_text": "what shape is in the image?" if easy else "a photo",
+        "example_texts": example_texts(prepared.pairs, trainer.processing_class.tokenizer),
     }
+
+
+def example_texts(pairs, tokenizer, count: int = 2) -> list[str]:
+    """`count` distinct texts of the run's evaluation (else training) pairs, decoded, for the card's examples."""
+    texts: list[str] = []
+    for split in ("eval", "train"):
+        part = pairs.get(split)
+        if part is None or not hasattr(part, "select") or "input_ids" not in (part.column_names or ()):
+            continue  # a stream is not read for this
+        for ids in part.select(range(min(len(part), 500)))["input_ids"]:
+            text = tokenizer.decode(ids, skip_special_tokens=True).strip()
+            if text and text not in texts:
+                texts.append(text)
+            if len(texts) == count:
+                return texts
+    return [*texts, *FALLBACK_EXAMPLES[len(texts) :]][:count]
+
+
+def parent_command_line() -> list[str] | None:
+    """The command line of the process that started this one (Linux `/proc`), or `None` where it cannot be read."""
+    try:
+        raw = Path(f"/proc/{os.getppid()}/cmdline").read_bytes()
+    except OSError:
+        return None
+    return [part.decode(errors="replace") for part in raw.split(b"\0") if part]
+
+
+def launch_command(args: list[str], script: str = "scripts/train.py", parent: list[str] | None = None) -> str:
+    """
+    The command that started this run, as it would be typed again: the launcher that started this process with its
+    own options (`accelerate launch --config_file ...`, `torchrun --nproc_per_node 2`, `python -m
+    torch.distributed.run ...`, read from `parent`, by default the parent process's command line), then `script` and
+    `args`. Started by anything else (a shell, a notebook): `python script args`.
+    """
+    words = parent_command_line() if parent is None else list(parent)
+    launcher = _launcher(words or [])
+    if launcher is None:
+        return shlex.join(["python", script, *args])
+    return shlex.join([*launcher, script, *args])
+
+
+def _launcher(words: list[str]) -> list[str] | None:
+    """The launcher part of a command line (up to the script it starts), or `None` if it is no launcher's."""
+    if words and os.path.basename(words[0]).startswith("python"):
+        if words[1:2] == ["-m"] and words[2:3] and words[2].startswith("torch.distributed."):
+            words, prefix = words[3:], ["python", "-m", words[2]]
+        else:  # the interpreter running a console script: `python .../bin/accelerate launch ...`
+            words, prefix = words[1:], None
+    else:
+        prefix = None
+    if prefix is None:
+        name = os.path.basename(words[0]) if words else ""
+        if name == "accelerate" and words[1:2] == ["launch"]:
+            words, prefix = words[2:], ["accelerate", "launch"]
+        elif name == "torchrun":
+            words, prefix = words[1:], ["torchrun"]
+        else:
+            return None
+    script = next((i for i, word in enumerate(words) if word.endswith(".py")), len(words))
+    return [*prefix, *words[:script]]
 
 
 def describe_vision_tower(config, image_size: int) -> str:
