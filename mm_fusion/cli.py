@@ -15,6 +15,9 @@ class ScriptArgumentParser(HfArgumentParser):
     - abbreviations are refused (`--learning_rat` is not taken for `--learning_rate`);
     - the error does not print the usage line, which for the training arguments runs to hundreds of lines;
     - [`refuse_repeats`] makes an option given twice an error, where argparse keeps the last silently.
+
+    Unknown arguments are an error even through `parse_known_args` (which `HfArgumentParser` parses with), so nothing
+    is left over for `return_remaining_strings`.
     """
 
     def __init__(self, *args, **kwargs):
