@@ -313,6 +313,20 @@ def test_shipped_training_config_parses_to_the_benchmarked_recipe():
     assert model_args.vision_tower == "resnet"  # the default's tower, as benchmark_training.py measured the recipe
 
 
+def test_default_batches_hold_at_most_four_pairs_of_an_image_in_a_row(tmp_path):
+    """The default recipe's batches: an image's pairs in runs of at most 4 (0: all in one run; below 0: an error)."""
+    trainer = setup_run(["--output_dir", str(tmp_path), "--max_train_samples", "200", *TINY])
+    sampler = trainer._get_train_sampler()
+    assert isinstance(sampler, MMFusionImageGroupedSampler) and sampler.group_size == 4  # runs: the test below
+    assert sorted(sampler) == list(range(200))
+    (_, _, unlimited) = parse(["--image_group_size", "0"])
+    assert unlimited.image_group_size == 0
+    trainer.args.image_group_size = 0
+    assert trainer._get_train_sampler().group_size is None
+    with pytest.raises(ValueError, match="--image_group_size must be 0"):
+        parse(["--image_group_size", "-1"])
+
+
 def test_image_grouped_sampler_keeps_images_together():
     image_index = [3, 1, 3, 2, 1, 3, 0, 2]
     sampler = MMFusionImageGroupedSampler(image_index, seed=0)

@@ -483,7 +483,7 @@ class MMFusionTrainer(Trainer):
             return dataset.with_format("numpy", columns=[name])[:][name].tolist()
 
         if getattr(self.args, "group_by_image", False):
-            group_size = getattr(self.args, "image_group_size", None)
+            group_size = getattr(self.args, "image_group_size", None) or None  # 0: no limit
             return MMFusionImageGroupedSampler(column("image_index"), seed=seed, group_size=group_size)
         length_column = self.args.length_column_name
         if self.args.train_sampling_strategy == "group_by_length" and length_column in dataset.column_names:
