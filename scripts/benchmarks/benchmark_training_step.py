@@ -112,12 +112,20 @@ def recipe() -> dict:
     }
 
 
-def build_fusion_config(size: int, vocab_size: int, max_length: int, labels: list[str], patch_size: int | None):
-    """`MMFusionConfig` of the recipe's model (what `build_trainer` builds) at this size, BERT with `max_length`."""
+def build_fusion_config(
+    size: int,
+    vocab_size: int,
+    max_length: int,
+    labels: list[str],
+    patch_size: int | None,
+    vision_tower: str = "vit",
+):
+    """`MMFusionConfig` of the recipe's model (what `build_trainer` builds) at this size, BERT with `max_length`.
+    `vision_tower`: the ViT these equal-size step comparisons were built around, or `scripts/train.py`'s default."""
     from mm_fusion.training import ModelArguments, build_config
 
-    # The ViT tower these equal-size comparisons were built around (the default tower is a ResNet since issue 21).
-    model_args = ModelArguments(vision_tower="vit", **({} if patch_size is None else {"patch_size": patch_size}))
+    sizes = {} if patch_size is None else {"patch_size": patch_size}
+    model_args = ModelArguments(vision_tower=vision_tower, **sizes)
     return build_config(model_args, size, vocab_size, max_length, labels)
 
 
@@ -147,15 +155,22 @@ class SeedFusionLayer(nn.Module):
 
 
 class SeedStyleModel(nn.Module):
-    """ViT + BERT (from the given tower configs), seed-style fusion layers, [CLS] pooling and the recipe's head."""
+    """
+    The given towers (a ViT or a convolutional tower, and BERT), seed-style fusion layers, [CLS] pooling and the
+    recipe's head. A convolutional tower's last feature map gives the image tokens (one per cell) and their mean the
+    pooled image.
+    """
 
     def __init__(self, vision_config, text_config, num_labels: int, num_fusion_layers: int, dropout: float):
         super().__init__()
         from transformers import AutoModel
 
-        if vision_config.hidden_size != text_config.hidden_size:
+        convolutional = hasattr(vision_config, "hidden_sizes")
+        width = vision_config.hidden_sizes[-1] if convolutional else vision_config.hidden_size
+        if width != text_config.hidden_size:
             raise ValueError("The seed-style fusion needs towers of one width.")
-        self.vision_model = AutoModel.from_config(vision_config, add_pooling_layer=False)
+        pooling = {} if convolutional else {"add_pooling_layer": False}
+        self.vision_model = AutoModel.from_config(vision_config, **pooling)
         self.text_model = AutoModel.from_config(text_config, add_pooling_layer=False)
         h = text_config.hidden_size
         self.fusion = nn.ModuleList(
@@ -176,11 +191,16 @@ class SeedStyleModel(nn.Module):
     def forward(
         self, pixel_values, input_ids, attention_mask, labels=None
     ) -> tuple[torch.Tensor | None, torch.Tensor]:
-        image = self.vision_model(pixel_values=pixel_values).last_hidden_state  # (B, 1 + patches, D)
+        image = self.vision_model(pixel_values=pixel_values).last_hidden_state  # (B, 1 + patches, D) or (B, D, H, W)
+        if image.dim() == 4:
+            image = image.flatten(2).transpose(1, 2)  # (B, H * W, D): a token per cell
+            pooled_image = image.mean(1)
+        else:
+            pooled_image = image[:, 0]  # [CLS]
         text = self.text_model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state  # (B, 512, D)
         for layer in self.fusion:
             text = layer(text, image, attention_mask == 0)
-        text, image = text[:, 0], image[:, 0]  # [CLS]
+        text, image = text[:, 0], pooled_image
         logits = self.classifier(torch.cat([text, image, text * image], dim=-1))
         return (F.cross_entropy(logits, labels) if labels is not None else None), logits
 

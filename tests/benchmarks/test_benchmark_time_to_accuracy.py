@@ -73,3 +73,29 @@ def test_report_compares_each_accuracy_with_the_faster_baseline_that_reached_it(
     ]
     assert [r["pass"] for r in ratios] == [True, False, False]
     assert "| seed | 1,000 | 1 s | 50 s (1) | – | – |" in text
+
+
+def test_every_contender_trains_the_default_model_at_about_its_size(bench):
+    """The seed loop fuses the default ResNet tower's last map with nn.MultiheadAttention; run_clip and mm_fusion
+    train the default model itself: all three within 2% of its parameters."""
+    import torch
+    from benchmark_training_step import SEED_MAX_LENGTH, build_fusion_config, seed_model
+
+    from mm_fusion import MMFusionForImageTextClassification
+    from mm_fusion.training import ModelArguments
+
+    assert bench.default_tower() == ModelArguments().vision_tower == "resnet"
+    labels = [str(i) for i in range(13)]
+    ours = MMFusionForImageTextClassification(build_fusion_config(64, 500, 64, labels, None, bench.default_tower()))
+    seed = seed_model(build_fusion_config(64, 500, SEED_MAX_LENGTH, labels, None, bench.default_tower()))
+    # The same ResNet: as a backbone in mm_fusion's model, as the plain model (its last map) in the seed loop.
+    assert (type(ours.mm_fusion.vision_model).__name__, type(seed.vision_model).__name__) == (
+        "ResNetBackbone",
+        "ResNetModel",
+    )
+    sizes = [sum(p.numel() for p in m.parameters()) for m in (ours, seed)]
+    assert abs(sizes[0] - sizes[1]) / sizes[0] < 0.02, sizes
+    loss, logits = seed(
+        torch.zeros(2, 3, 64, 64), torch.ones(2, 5, dtype=torch.long), torch.ones(2, 5), torch.ones(2).long()
+    )
+    assert logits.shape == (2, 13) and loss.isfinite()
