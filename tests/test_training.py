@@ -313,11 +313,11 @@ def test_shipped_training_config_parses_to_the_benchmarked_recipe():
     assert model_args.vision_tower == "resnet"  # the default's tower, as benchmark_training.py measured the recipe
 
 
-def test_default_batches_hold_at_most_four_pairs_of_an_image_in_a_row(tmp_path):
-    """The default recipe's batches: an image's pairs in runs of at most 4 (0: all in one run; below 0: an error)."""
+def test_default_batches_hold_at_most_two_pairs_of_an_image_in_a_row(tmp_path):
+    """The default recipe's batches: an image's pairs in runs of at most 2 (0: all in one run; below 0: an error)."""
     trainer = setup_run(["--output_dir", str(tmp_path), "--max_train_samples", "200", *TINY])
     sampler = trainer._get_train_sampler()
-    assert isinstance(sampler, MMFusionImageGroupedSampler) and sampler.group_size == 4  # runs: the test below
+    assert isinstance(sampler, MMFusionImageGroupedSampler) and sampler.group_size == 2  # runs: the test below
     assert sorted(sampler) == list(range(200))
     (_, _, unlimited) = parse(["--image_group_size", "0"])
     assert unlimited.image_group_size == 0
