@@ -11,8 +11,8 @@ scripts/benchmarks/README.md.
     python scripts/benchmarks/benchmark_training.py --runs full --seeds 0,1,2
     python scripts/benchmarks/benchmark_training.py --runs short,late,image_only,text_only --seeds 0   # ablations
 
-Writes scripts/benchmarks/results/benchmark_training.{md,json} (merged with the runs already there) and prints the
-table.
+Writes scripts/benchmarks/results/benchmark_training.{md,json} (merged with the runs already there: a recipe's runs
+of other seeds on the same machine stay in its row) and prints the table.
 """
 
 import json
@@ -122,6 +122,7 @@ def mean_range(stat: dict, digits: int, scale: float = 1.0) -> str:
 
 def combine(name: str, runs: list[dict]) -> dict:
     """One row from a recipe's runs over seeds: mean, min and max, with every run kept."""
+    runs = sorted(runs, key=lambda r: r["seed"])
     first = runs[0]
     return {
         "run": name,
@@ -174,7 +175,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
     previous = json.loads(results_path.read_text())["runs"] if results_path.is_file() else []
     rows = {r["run"]: r for r in previous if "seeds" in r}  # rows of the older repeats-of-one-seed format are dropped
     hardware = machine()
-    done = {name: [] for name in names}
+    # A recipe's runs already there on this CPU are kept, but for the seeds run again: more seeds add to a row.
+    done = {
+        name: [
+            r
+            for r in (rows[name]["runs"] if name in rows and rows[name].get("machine") == hardware else [])
+            if r["seed"] not in seeds
+        ]
+        for name in names
+    }
     for seed in seeds:
         for name in names:  # interleaved: A B A B ...
             done[name].append(run_one(name, seed, ROOT / args.output_root / f"{name}-seed{seed}"))

@@ -64,3 +64,23 @@ def test_a_recipe_is_launched_from_the_checkout_root_and_merged_into_the_results
     assert len(speeds) == 2 and tiny["median_train_samples_per_second"] == speeds[1]
     markdown = (tmp_path / "results.md").read_text()
     assert bench.table(ordered) in markdown and "| tiny | a tiny Sort-of-CLEVR run | 3 |" in markdown
+
+
+def test_more_seeds_join_a_row_of_the_same_machine_and_replace_the_seeds_run_again(tmp_path, monkeypatch):
+    monkeypatch.setitem(bench.DESCRIPTIONS, "tiny", "d")
+    monkeypatch.setitem(bench.RUNS, "tiny", [])
+    accuracy = {0: 0.9, 1: 0.8, 2: 0.7}
+    monkeypatch.setattr(bench, "run_one", lambda name, seed, out: {**run(seed, accuracy[seed], 60, 100), "run": name})
+    argv = ["--runs", "tiny", "--output_root", str(tmp_path / "runs"), "--results", str(tmp_path / "results")]
+    bench.main([*argv, "--seeds", "0,1"])
+    accuracy[1] = 0.85  # seed 1 again: its new run replaces the old one
+    bench.main([*argv, "--seeds", "1,2"])
+    (row,) = json.loads((tmp_path / "results.json").read_text())["runs"]
+    assert row["seeds"] == [0, 1, 2] and [r["test_accuracy"] for r in row["runs"]] == [0.9, 0.85, 0.7]
+    assert row["test_accuracy"] == {"mean": pytest.approx(0.8166666), "min": 0.7, "max": 0.9}
+    # On another machine the row starts again.
+    another = {**bench.machine(), "cpu": "another"}
+    monkeypatch.setattr(bench, "machine", lambda: another)
+    bench.main([*argv, "--seeds", "2"])
+    (row,) = json.loads((tmp_path / "results.json").read_text())["runs"]
+    assert row["seeds"] == [2] and row["machine"]["cpu"] == "another"
