@@ -309,7 +309,7 @@ def test_shipped_training_config_parses_to_the_benchmarked_recipe():
     # An unknown key in a shipped config would fail here (HfArgumentParser rejects it), not after a user's install.
     model_args, data_args, training_args = parse([str(ROOT / "scripts/configs/easy_vqa_full.yaml")])
     assert (model_args.fusion_type, model_args.dropout, data_args.augment) == ("hierarchical", 0.0, False)
-    assert training_args.num_train_epochs == 10 and training_args.output_dir == "outputs/easy_vqa_full"
+    assert training_args.num_train_epochs == 8 and training_args.output_dir == "outputs/easy_vqa_full"
     assert model_args.vision_tower == "resnet"  # the default's tower, as benchmark_training.py measured the recipe
 
 
