@@ -74,6 +74,16 @@ def test_report_compares_each_accuracy_with_the_faster_baseline_that_reached_it(
     assert [r["pass"] for r in ratios] == [True, False, False]
     assert "| seed | 1,000 | 1 s | 50 s (1) | – | – |" in text
 
+    # A baseline reaches an accuracy that mm_fusion does not reach within its budget: a failed row, not a missing one.
+    trials[2] = trial("mm_fusion", [(1, 2.0, 0.61), (2, 4.0, 0.66)])
+    text, ratios = bench.markdown(trials, args, info, {"batch_size": 64})
+    assert [(r["accuracy"], r["ratio"], r["pass"]) for r in ratios] == [
+        (0.6, 0.2, True),
+        (0.7, None, False),
+        (0.75, None, False),
+    ]
+    assert "| 0.7 | run_clip | not reached | FAIL |" in text
+
 
 def test_every_contender_trains_the_default_model_at_about_its_size(bench):
     """The seed loop fuses the default ResNet tower's last map with nn.MultiheadAttention; run_clip and mm_fusion
