@@ -34,6 +34,11 @@ Contenders (`--variants`):
 - `attention_sine`: `attention` with sine positions added in place of the coordinates.
 - `attention_layernorm`: `attention` with LayerNorm on the cells before the read (mm_fusion's `context_norm`).
 - `attention_resnet`: `attention` reading mm_fusion's default ResNet tower (stage 1, 16 x 16) in place of two convs.
+- `climb_*` (issue 31): from `attention` toward mm_fusion's fusion block, one difference at a time (`CLIMB`): 4 heads;
+  sine positions in place of the coordinates; width 96; the question through the recipe's text tower, every token a
+  query, the tower at a tenth of the rate (`climb_text_full_lr`: at the full rate); the read added to each token and
+  mean-pooled (`climb_residual`, mm_fusion's text stream); then, each from `climb_residual`, mm_fusion's ResNet
+  tower (its stem, stage 1 or stage 2), the read's projections from N(0, 0.02), LayerNorm on the cells.
 - `mm_fusion`: the Sort-of-CLEVR recipe's model (ResNet tower, hierarchical fusion, width 96, 2-layer BERT).
 - `mm_fusion_std01`: the same with `initializer_range=0.1` (fusion block and text tower).
 - `mm_fusion_film`: the recipe's model with `vision_film=True` (every ResNet stage scaled and shifted by a linear map
@@ -114,6 +119,17 @@ VARIANTS = (
     "attention_sine",
     "attention_layernorm",
     "attention_resnet",
+    "climb_heads4",
+    "climb_sine",
+    "climb_width96",
+    "climb_text",
+    "climb_text_full_lr",
+    "climb_residual",
+    "climb_resnet_stem",
+    "climb_resnet",
+    "climb_resnet2",
+    "climb_std002",
+    "climb_layernorm",
     "mm_fusion",
     "mm_fusion_std01",
     "mm_fusion_film",
@@ -130,6 +146,11 @@ VARIANTS = (
     "mm_fusion_film_flatten_options",
     "mm_fusion_film_fixes",
     "mm_fusion_film_fixes_no_image_norms",
+    "mm_hier_fixes",
+    "mm_hier_fixes_no_image_norms",
+    "mm_hier_fixes_coordinates",
+    "mm_hier_fixes_stage1",
+    "mm_hier_fixes_bidirectional",
 )
 
 
@@ -342,28 +363,70 @@ class FiLMResNet(nn.Module):
 
 
 class AttentionRead(nn.Module):
-    def __init__(self, tower: str = "conv", positions: str = "coordinates", std: float | None = None, norm=False):
+    """
+    One cross-attention read of the image cells by the question, then an MLP. Each option puts in one of mm_fusion's
+    choices (the climb of issue 31): `tower` (two convs, or mm_fusion's ResNet: `"resnet"` stage 1, `"resnet_stem"`
+    its stem, `"resnet2"` stage 2 on 8 x 8 cells), `positions` (`"coordinates"` appended before the cells' projection,
+    `"sine"` added after it, `"none"`), `std` (the read's projections from N(0, std), not PyTorch's draw), `norm`
+    (LayerNorm on the cells), `heads`, `query` (`"one_hot"`, or `"text"`: the recipe's text tower on [CLS, colour,
+    family], every token a query, at `text_lr_scale` of the rate), `readout` (`"read_question"`: the read and the
+    question into the MLP; `"residual_mean"`: each text token plus its read, mean-pooled, as mm_fusion's text stream
+    after one cross-attention layer), `width` of the read.
+    """
+
+    def __init__(
+        self,
+        tower: str = "conv",
+        positions: str = "coordinates",
+        std: float | None = None,
+        norm: bool = False,
+        heads: int = 1,
+        query: str = "one_hot",
+        readout: str = "read_question",
+        text_lr_scale: float = 1.0,
+        width: int = 64,
+    ):
         super().__init__()
-        width = 64
         if tower == "conv":
             self.tower = nn.Sequential(
                 nn.Conv2d(3, 24, 3, 2, 1), nn.BatchNorm2d(24), nn.ReLU(), nn.Conv2d(24, 24, 3, 2, 1),
                 nn.BatchNorm2d(24), nn.ReLU(),
             )  # fmt: skip
             channels = 24
-        else:  # mm_fusion's default ResNet, its stage 1: 16 x 16 cells
+        elif tower == "resnet_stem":  # the ResNet's 7x7 stride-2 conv and max-pool: 16 x 16 cells
             backbone = resnet_backbone(1)
+            self.tower, channels = backbone.embedder, 24
+        else:  # mm_fusion's default ResNet, its stage 1 (16 x 16 cells) or 2 (8 x 8)
+            stage = 2 if tower == "resnet2" else 1
+            backbone = resnet_backbone(stage)
             self.tower = lambda images: backbone(images).feature_maps[0]
-            self.backbone, channels = backbone, 24
-        self.positions = positions
+            self.backbone, channels = backbone, backbone.config.hidden_sizes[stage - 1]
+        self.positions, self.heads, self.readout = positions, heads, readout
         self.cells = nn.Linear(channels + (2 if positions == "coordinates" else 0), width)
         self.norm = nn.LayerNorm(width) if norm else nn.Identity()
-        self.key, self.value, self.query = nn.Linear(width, width), nn.Linear(width, width), nn.Linear(12, width)
-        self.mlp = nn.Sequential(nn.Linear(width + 12, 256), nn.ReLU(), nn.Linear(256, len(ANSWERS)))
+        self.text = None
+        question_width = 12
+        if query == "text":
+            from transformers import BertModel
+
+            self.text = BertModel(recipe_config().text_config, add_pooling_layer=False)
+            question_width = self.text.config.hidden_size
+        self.text_lr_scale = text_lr_scale
+        self.key, self.value = nn.Linear(width, width), nn.Linear(width, width)
+        self.query = nn.Linear(question_width, width)
+        if readout == "residual_mean":
+            self.out = nn.Linear(width, question_width)
+            mlp_in = question_width
+        else:
+            mlp_in = width + question_width
+        self.mlp = nn.Sequential(nn.Linear(mlp_in, 256), nn.ReLU(), nn.Linear(256, len(ANSWERS)))
         if std is not None:
             for layer in (self.cells, self.key, self.value, self.query):
                 nn.init.normal_(layer.weight, std=std)
                 nn.init.zeros_(layer.bias)
+
+    def param_groups(self, lr: float) -> list[dict]:
+        return text_tower_groups(self, self.text, lr, self.text_lr_scale)
 
     def forward(self, images, question):
         maps = self.tower(images)
@@ -374,9 +437,18 @@ class AttentionRead(nn.Module):
         if self.positions == "sine":
             cells = cells + sine_positions(height, width, cells.shape[-1])
         cells = self.norm(cells)
-        scores = (self.key(cells) @ self.query(question).unsqueeze(-1)).squeeze(-1) / cells.shape[-1] ** 0.5
-        read = (scores.softmax(-1).unsqueeze(-1) * self.value(cells)).sum(1)
-        return self.mlp(torch.cat([read, question], dim=1))
+        if self.text is not None:
+            tokens = self.text(input_ids=question_ids(question)).last_hidden_state  # (B, 3, 96)
+        else:
+            tokens = question.unsqueeze(1)  # (B, 1, 12)
+        q, k, v = self.query(tokens), self.key(cells), self.value(cells)
+        heads, size = self.heads, q.shape[-1] // self.heads
+        q, k, v = (x.view(batch, -1, heads, size).transpose(1, 2) for x in (q, k, v))  # (B, heads, n, size)
+        weights = (q @ k.transpose(-1, -2) / size**0.5).softmax(-1)
+        read = (weights @ v).transpose(1, 2).reshape(batch, tokens.shape[1], -1)  # (B, queries, width)
+        if self.readout == "residual_mean":
+            return self.mlp((tokens + self.out(read)).mean(1))
+        return self.mlp(torch.cat([read.mean(1), tokens.mean(1)], dim=1))
 
 
 class MMFusion(nn.Module):
@@ -445,6 +517,55 @@ OPTIONS = LATE_FILM_NO_POSITIONS | {
 }
 
 
+# The climb of issue 31: from `attention`, which learns, toward mm_fusion's fusion block, one difference at a time.
+CLIMB = {
+    "climb_heads4": {"heads": 4},
+    "climb_sine": {"heads": 4, "positions": "sine"},
+    "climb_width96": {"heads": 4, "positions": "sine", "width": 96},
+    "climb_text": {"heads": 4, "positions": "sine", "width": 96, "query": "text", "text_lr_scale": 0.1},
+    "climb_text_full_lr": {"heads": 4, "positions": "sine", "width": 96, "query": "text"},
+    "climb_residual": {
+        "heads": 4,
+        "positions": "sine",
+        "width": 96,
+        "query": "text",
+        "text_lr_scale": 0.1,
+        "readout": "residual_mean",
+    },
+}
+CLIMB_READ = CLIMB["climb_residual"]
+CLIMB |= {
+    "climb_resnet_stem": CLIMB_READ | {"tower": "resnet_stem"},
+    "climb_resnet": CLIMB_READ | {"tower": "resnet"},
+    "climb_resnet2": CLIMB_READ | {"tower": "resnet2"},
+    "climb_std002": CLIMB_READ | {"std": 0.02},
+    "climb_layernorm": CLIMB_READ | {"norm": True},
+}
+
+# mm_fusion's own hierarchical model (no FiLM) with the fixes the climb points to, through its options.
+MM_HIERARCHICAL = {
+    "mm_hier_fixes": {"config_overrides": "fusion_init=pytorch", "text_lr_scale": 0.1},
+    "mm_hier_fixes_no_image_norms": {
+        "config_overrides": "fusion_init=pytorch",
+        "text_lr_scale": 0.1,
+        "image_norms": False,
+    },
+    "mm_hier_fixes_coordinates": {
+        "config_overrides": "fusion_init=pytorch,vision_position_embedding=coordinates",
+        "text_lr_scale": 0.1,
+    },
+    "mm_hier_fixes_stage1": {
+        "config_overrides": "fusion_init=pytorch,vision_bridge_layers=[1,2]",
+        "text_lr_scale": 0.1,
+    },
+    "mm_hier_fixes_bidirectional": {
+        "config_overrides": "fusion_init=pytorch",
+        "text_lr_scale": 0.1,
+        "fusion_direction": "bidirectional",
+    },
+}
+
+
 def build_variant(name: str) -> nn.Module:
     """A new model of the contender `name` (see the module doc)."""
     models = {
@@ -466,6 +587,8 @@ def build_variant(name: str) -> nn.Module:
         "attention_sine": lambda: AttentionRead(positions="sine"),
         "attention_layernorm": lambda: AttentionRead(norm=True),
         "attention_resnet": lambda: AttentionRead(tower="resnet"),
+        **{name: (lambda options=options: AttentionRead(**options)) for name, options in CLIMB.items()},
+        **{name: (lambda options=options: MMFusion(**options)) for name, options in MM_HIERARCHICAL.items()},
         "mm_fusion": lambda: MMFusion(),
         "mm_fusion_std01": lambda: MMFusion(initializer_range=0.1),
         "mm_fusion_film": lambda: MMFusion(config_overrides="vision_film=true"),
