@@ -22,7 +22,7 @@ FUSION_TYPES = ("hierarchical", "cross_attention", "late")
 FUSION_DIRECTIONS = ("bidirectional", "text_to_image")
 POOLING_MODES = ("mean", "cls")
 IMAGE_POOLING = ("mean", "cls", "flatten")
-JOINT_POOLING = ("concat", "concat_product")
+JOINT_POOLING = ("concat", "concat_product", "text")
 FILM_INITS = ("zeros", "pytorch")
 FUSION_INITS = ("normal", "pytorch")
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -152,7 +152,9 @@ class MMFusionConfig(PretrainedConfig):
             `"concat"`, the pooled text and image streams side by side, or `"concat_product"`, followed by their
             element-wise product too (the multiplicative interaction late fusion always has), which gives the head the
             agreement of the two streams directly instead of leaving it to learn it. `scripts/train.py` uses
-            `"concat_product"` (its ablation is in scripts/benchmarks/README.md).
+            `"concat_product"` (its ablation is in scripts/benchmarks/README.md). `"text"`: the pooled text stream
+            alone, the text after it has read the image, so that the image reaches the head only through the
+            cross-attention (with `fusion_direction="text_to_image"` the image stream does not depend on the text).
         projection_dim (`int`, *optional*, defaults to 256):
             Width of the image/text embeddings used by contrastive learning and late fusion.
         logit_scale_init_value (`float`, *optional*, defaults to 2.6592):

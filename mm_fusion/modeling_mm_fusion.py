@@ -18,6 +18,8 @@ from transformers.utils import ModelOutput, can_return_tuple
 
 from .configuration_mm_fusion import MMFusionConfig
 from .distributed import all_gather_with_grad, broadcast_seed, gather_sizes, world
+from .image_maps import ImageMaps
+from .image_maps import image_maps as _image_maps
 from .vision_towers import (
     MMFusionFeatureMapTokens,
     MMFusionFiLMLinear,
@@ -852,7 +854,8 @@ class MMFusionModel(MMFusionPreTrainedModel):
         if self.is_late:
             self.pooled_dim = 3 * config.projection_dim
         else:
-            self.pooled_dim = (3 if config.joint_pooling == "concat_product" else 2) * config.fusion_hidden_size
+            widths = {"text": 1, "concat": 2, "concat_product": 3}
+            self.pooled_dim = widths[config.joint_pooling] * config.fusion_hidden_size
         self.post_init()
 
     def encode_towers(
@@ -1074,7 +1077,7 @@ class MMFusionModel(MMFusionPreTrainedModel):
             # Shared image states (one per image) become one per pair, as in the bidirectional case.
             image_hidden, image_pooled = image_hidden[index], image_pooled[index]
             image_states = tuple(h[index] for h in image_states) if image_states is not None else None
-        joint = [text_pooled, image_pooled]
+        joint = [text_pooled] if self.config.joint_pooling == "text" else [text_pooled, image_pooled]
         if self.config.joint_pooling == "concat_product":
             joint.append(text_pooled * image_pooled)
         return MMFusionModelOutput(
@@ -1370,6 +1373,28 @@ class MMFusionForImageTextClassification(MMFusionPreTrainedModel):
             logits=logits,
             pooler_output=outputs.pooler_output,
             **{name: getattr(outputs, name) for name in TOWER_OUTPUT_FIELDS + FUSION_OUTPUT_FIELDS},
+        )
+
+    def image_maps(
+        self,
+        pixel_values: torch.Tensor,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        token_type_ids: torch.Tensor | None = None,
+        image_index: torch.Tensor | None = None,
+        method: str | None = None,
+        targets: torch.Tensor | None = None,
+        token: int | None = None,
+    ) -> ImageMaps:
+        r"""
+        Where the model looks in the image for each pair's answer: per fusion layer, the text's cross-attention over
+        the image tokens (`method="attention"`, the default for cross-attention fusion), or Grad-CAM on the last tower
+        map the model reads (`"grad_cam"`, the default for late fusion; `targets` pick the answers it explains, by
+        default the top ones; `token`: one text position's attention, not the mean over the text's tokens). See
+        [`~image_maps.image_maps`].
+        """
+        return _image_maps(
+            self, pixel_values, input_ids, attention_mask, token_type_ids, image_index, method, targets, token
         )
 
     def _check_labels(self, labels: torch.Tensor, input_ids: torch.Tensor | None) -> None:

@@ -296,7 +296,11 @@ class ImageTextClassificationPipeline(_MMFusionPipeline):
     uint8 numpy arrays or tensors, or bytes. Each input gives `[{"answer": str, "score": float}, ...]`, best first;
     a single input gives that list, several give a list of them.
 
-    Keyword arguments: `top_k` (answers per input, default 1), `batch_size` (default 32).
+    Keyword arguments: `top_k` (answers per input, default 1), `batch_size` (default 32), `return_map` (default
+    `False`): each answer also gets `"maps"`, where the model looked in the image, as `{layer name: (height, width)
+    float numpy array}` on the image's token grid, each summing to 1
+    (`MMFusionForImageTextClassification.image_maps`): the question's cross-attention per fusion layer (the same for
+    every answer), or for a late-fusion model Grad-CAM on the tower's last map read, for that answer.
     Scores are softmax probabilities for a single-label model and independent sigmoids for a multi-label one, as
     the model's `config.problem_type` says. The answers come from the answers seen in training (`config.id2label`).
     A question with words the tokenizer never saw ([`~_MMFusionPipeline.unknown_words`]) is answered from its other
@@ -306,16 +310,29 @@ class ImageTextClassificationPipeline(_MMFusionPipeline):
 
     heads = ("MMFusionForImageTextClassification",)
 
-    def __call__(self, inputs=None, image=None, question=None, *, top_k: int = 1, batch_size: int | None = None):
+    def __call__(
+        self,
+        inputs=None,
+        image=None,
+        question=None,
+        *,
+        top_k: int = 1,
+        batch_size: int | None = None,
+        return_map: bool = False,
+    ):
         if _is_dataset(inputs):
             inputs = _dataset_rows(inputs, ("image", "question"))
         pairs = _pairs(image, question, inputs, "image", "question")
         if not isinstance(top_k, int) or top_k < 1:
             raise ValueError(f"top_k must be a positive integer, got {top_k!r}.")
-        results = self.run(pairs.images, pairs.texts, top_k=top_k, batch_size=batch_size)
+        if not isinstance(return_map, bool):
+            raise ValueError(f"return_map must be True or False, got {return_map!r}.")
+        results = self.run(pairs.images, pairs.texts, top_k=top_k, batch_size=batch_size, return_map=return_map)
         return results[0] if pairs.single else results
 
-    def run(self, images: list, texts: list[str], top_k: int = 1, batch_size: int | None = None) -> list:
+    def run(
+        self, images: list, texts: list[str], top_k: int = 1, batch_size: int | None = None, return_map: bool = False
+    ) -> list:
         """Answers for parallel lists of images and texts, batched with pairs of the same image together."""
         keys = [self._image_key(image) for image in images]
         first = {}
@@ -327,7 +344,10 @@ class ImageTextClassificationPipeline(_MMFusionPipeline):
             chunk = order[start:end]
             model_inputs = self.preprocess([images[i] for i in chunk], [texts[i] for i in chunk], chunk)
             outputs = self.forward(model_inputs)
-            for i, result in zip(chunk, self.postprocess(outputs, top_k=top_k)):
+            answers = self.postprocess(outputs, top_k=top_k)
+            if return_map:
+                self._add_maps(model_inputs, answers)
+            for i, result in zip(chunk, answers):
                 results[i] = result
         unknown = self.unknown_words(texts)
         self._warn_unknown_words(unknown, "questions", listed=True)
@@ -339,6 +359,29 @@ class ImageTextClassificationPipeline(_MMFusionPipeline):
     def preprocess(self, images: list, texts: list[str], positions: list[int]) -> dict[str, torch.Tensor]:
         pixel_values, image_index = self._distinct_images(images, positions)
         return {"pixel_values": pixel_values, "image_index": image_index, **self._tokenize(texts)}
+
+    def _add_maps(self, model_inputs: dict[str, torch.Tensor], answers: list[list[dict[str, Any]]]) -> None:
+        """Each answer's `"maps"`: attention once per pair, Grad-CAM once per answer rank (it explains an answer)."""
+        if not hasattr(self.model, "image_maps"):
+            raise ValueError(
+                "return_map=True needs the model's `image_maps`, which this model's saved code predates: "
+                "load it with the installed mm_fusion, or save it again with it."
+            )
+        inputs = {k: v.to(self.device) for k, v in model_inputs.items()}
+        late = self.model.config.fusion_type == "late"
+        label2id = {label: int(i) for i, label in self.model.config.id2label.items()}
+        ranks = len(answers[0]) if late else 1
+        with self.device_placement():
+            for rank in range(ranks):
+                targets = None
+                if late:
+                    targets = torch.tensor([label2id[row[rank]["answer"]] for row in answers], device=self.device)
+                result = self.model.image_maps(**inputs, targets=targets)
+                maps = result.maps.float().cpu().numpy()
+                for row, pair_maps in zip(answers, maps):
+                    layer_maps = dict(zip(result.layers, pair_maps))
+                    for answer in row if not late else row[rank : rank + 1]:
+                        answer["maps"] = layer_maps
 
     def postprocess(self, model_outputs, top_k: int = 1) -> list[list[dict[str, Any]]]:
         logits = model_outputs["logits"].float()

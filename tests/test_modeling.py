@@ -68,6 +68,10 @@ def test_output_shapes(tester, fusion_type):
         assert product.pooler_output.shape == (B, 3 * D)
         text, image = product.text_pooled, product.image_pooled
         torch.testing.assert_close(product.pooler_output, torch.cat([text, image, text * image], dim=-1))
+        config.joint_pooling = "text"  # the text stream alone, after it read the image
+        text_only = MMFusionModel(config).eval()(**inputs)
+        assert text_only.pooler_output.shape == (B, D)
+        torch.testing.assert_close(text_only.pooler_output, text_only.text_pooled)
     image_features = base.get_image_features(inputs["pixel_values"])
     assert image_features.pooler_output.shape == (B, config.projection_dim)
     assert image_features.last_hidden_state.shape == (B, num_patches, 32)

@@ -170,6 +170,26 @@ def test_vqa_pipeline_call_forms_and_image_sharing(vqa_run):
     assert shapes == [1] and len(many) == 5
 
 
+def test_vqa_pipeline_returns_where_the_model_looked(vqa_run):
+    """`return_map=True`: every answer carries the model's own maps for its pair (attention for this hierarchical
+    model: the same for each answer), and the answers are unchanged."""
+    out, _, _ = vqa_run
+    pipe = pipeline("image-text-classification", model=str(out))
+    rows = _eval_rows(3)
+    images, questions = [rows[0]["image"]] * 2 + [rows[2]["image"]], [r["question"] for r in rows]
+    plain = pipe(image=images, question=questions, top_k=2)
+    mapped = pipe(image=images, question=questions, top_k=2, return_map=True)
+    assert [[{k: a[k] for k in ("answer", "score")} for a in row] for row in mapped] == plain
+    batch = AutoProcessor.from_pretrained(out)(images=images, text=questions)
+    expected = pipe.model.image_maps(**batch)
+    for k, row in enumerate(mapped):
+        for answer in row:
+            assert list(answer["maps"]) == ["fusion layer 1"]
+            np.testing.assert_allclose(answer["maps"]["fusion layer 1"], expected.maps[k, 0].numpy(), atol=1e-6)
+    with pytest.raises(ValueError, match="return_map must be True or False"):
+        pipe(image=images[0], question=questions[0], return_map="yes")
+
+
 def test_vqa_pipeline_takes_dtype_and_device(vqa_run):
     out, _, _ = vqa_run
     rows = _eval_rows(8)
@@ -380,6 +400,10 @@ REMOTE_PIPELINES = BLOCK_MM_FUSION + textwrap.dedent(
     pipe = pipeline("image-text-classification", model=vqa, trust_remote_code=True)
     assert type(pipe).__module__.startswith("transformers_modules"), type(pipe).__module__
     results["vqa"] = pipe(image=images, question=texts, top_k=2)
+    results["vqa_maps"] = [
+        {k: v.tolist() for k, v in answers[0]["maps"].items()}
+        for answers in pipe(image=images, question=texts, return_map=True)
+    ]
     matcher = pipeline("image-text-matching", model=pretrain, trust_remote_code=True)
     results["matching"] = matcher(image=images, text=texts)
     retriever = pipeline("image-text-retrieval", model=pretrain, trust_remote_code=True)
@@ -410,8 +434,13 @@ def test_pipelines_load_with_remote_code_where_mm_fusion_is_not_importable(vqa_r
     assert run.returncode == 0, run.stderr[-3000:]
     remote = json.loads(run.stdout.strip().splitlines()[-1])
     images, texts = [r["image"] for r in rows], [r["question"] for r in rows]
+    local_vqa = pipeline("image-text-classification", model=str(vqa))
     local = {
-        "vqa": pipeline("image-text-classification", model=str(vqa))(image=images, question=texts, top_k=2),
+        "vqa": local_vqa(image=images, question=texts, top_k=2),
+        "vqa_maps": [
+            {k: v.tolist() for k, v in answers[0]["maps"].items()}
+            for answers in local_vqa(image=images, question=texts, return_map=True)
+        ],
         "matching": pipeline("image-text-matching", model=str(pretrain))(image=images, text=texts),
     }
     retriever = pipeline("image-text-retrieval", model=str(pretrain))

@@ -102,7 +102,8 @@ class ModelArguments:
         default="concat_product",
         metadata={
             "help": "What the head reads after cross-attention fusion: concat_product (pooled text, pooled image and "
-            "their product, a direct interaction term for the head) or concat."
+            "their product, a direct interaction term for the head), concat, or text (the pooled text stream alone: "
+            "the image reaches the head only through the cross-attention)."
         },
     )
     mlp_ratio: int = field(

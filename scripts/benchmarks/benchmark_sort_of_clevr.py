@@ -23,7 +23,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import yaml
+from benchmark_pointing import pointing
 from benchmarking import RESULTS, ROOT, SCRIPTS, markdown_table, write_report
+
+from mm_fusion.training import parse_overrides
 
 
 MAIN = "scripts/configs/sort_of_clevr.yaml"
@@ -84,6 +87,13 @@ def run_one(name: str, output_root: Path, threads: int | None) -> dict:
     reached = time_to_targets(row["curve"])
     if reached is not None:
         row["targets_reached"] = reached
+    if name != "pretrain" and not any(flag == "--ablation" for flag in flags):
+        # Where the model looks: its map against the object each held-out question names (benchmark_pointing.py).
+        fused = json.loads((output_dir / "config.json").read_text())["fusion_type"] != "late"
+        methods = (None, "grad_cam") if fused else (None,)
+        options = parse_overrides(recipe_dataset_options(flags), flag="--dataset_options")
+        images = options.get("num_test_images", 1000)
+        row["pointing"] = pointing(str(output_dir), recipe_dataset_options(flags), images, methods)
     if name == "pretrain":
         zero_shot = [sys.executable, str(SCRIPTS / "zero_shot_sort_of_clevr.py"), "--model", str(output_dir)]
         zero_shot += ["--dataset_options", recipe_dataset_options(flags)]  # the test images of the data it trained on
@@ -142,6 +152,16 @@ def question_only_ceiling(dataset_options: str) -> dict[str, float]:
     return row
 
 
+def pointing_cell(row: dict) -> str:
+    """The pointing accuracy on non-relational questions at each method's best layer, or "–" without a measure."""
+    if "pointing" not in row:
+        return "–"
+    parts = []
+    for figures in row["pointing"]["by_method"].values():
+        parts.append(f"{figures['best_non_relational']:.3f} ({figures['best_layer']})")
+    return "; ".join(parts)
+
+
 def markdown(rows: dict[str, dict]) -> str:
     """The VQA runs' accuracy per question type and family, and the pretraining run's retrieval and zero-shot
     accuracy."""
@@ -158,6 +178,7 @@ def markdown(rows: dict[str, dict]) -> str:
         "top",
         "all",
         "targets reached",
+        "pointing",
         "wall time",
     ]
     cells = []
@@ -176,7 +197,7 @@ def markdown(rows: dict[str, dict]) -> str:
             reached = f"epoch {reached['epoch']:g}" + (
                 f", {reached['elapsed_seconds'] / 60:.1f} min into training" if "elapsed_seconds" in reached else ""
             )
-        cells.append([r["run"], *accuracies, f"{r['eval_accuracy']:.3f}", reached, wall])
+        cells.append([r["run"], *accuracies, f"{r['eval_accuracy']:.3f}", reached, pointing_cell(r), wall])
     text = markdown_table(header, cells)
     pretrain = rows.get("pretrain")
     if pretrain:

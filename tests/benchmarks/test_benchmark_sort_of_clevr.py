@@ -66,6 +66,9 @@ def test_table_and_plot(tmp_path):
     rows["late"]["curve"] = [{"step": 20, "epoch": 1.0, "eval_accuracy_relational": 0.63,
                               "eval_accuracy_non_relational": 0.99}]  # fmt: skip
     assert bench.time_to_targets(rows["late"]["curve"]) is None
+    figures = {"best_non_relational": 0.912, "best_layer": "fusion layer 1"}
+    rows["late"]["pointing"] = {"by_method": {"attention": figures}}
+    rows["late"]["pointing"]["by_method"]["grad_cam"] = {"best_non_relational": 0.5, "best_layer": "Grad-CAM, stage 3"}
     rows["question_only_ceiling"] = {"run": "question_only_ceiling", "eval_accuracy": 0.4}
     recalls = {f"eval_{d}_R@{k}": k / 100 + (d == "image_to_text") / 1000 for d in ("text_to_image", "image_to_text")
                for k in (1, 5, 10)}  # fmt: skip
@@ -74,19 +77,20 @@ def test_table_and_plot(tmp_path):
     lines = bench.markdown(rows).splitlines()
     header = (
         "| run | relational | non-relational | closest | furthest | count | shape | left | top | all "
-        "| targets reached | wall time |"
+        "| targets reached | pointing | wall time |"
     )
-    assert lines[:2] == [header, "|" + "---|" * 12]
+    assert lines[:2] == [header, "|" + "---|" * 13]
     # Columns in the header's order: types, then the families, each row's overall accuracy and its wall time.
     assert lines[2] == (
         "| film | 0.950 | 0.990 | 0.540 | 0.550 | 0.560 | 0.510 | 0.520 | 0.530 | 0.960 | "
-        "epoch 1, 2.1 min into training | 10.0 min, 1 thread(s), sharing the machine |"
+        "epoch 1, 2.1 min into training | – | 10.0 min, 1 thread(s), sharing the machine |"
     )
     assert lines[3].startswith("| late | 0.630 | 0.990 |") and lines[3].endswith(
-        "| 0.800 | no | 10.0 min, 1 thread(s), sharing the machine |"
+        "| 0.800 | no | 0.912 (fusion layer 1); 0.500 (Grad-CAM, stage 3) "
+        "| 10.0 min, 1 thread(s), sharing the machine |"
     )
     assert (
-        lines[4] == "| question_only_ceiling | nan | nan | nan | nan | nan | nan | nan | nan | 0.400 | – "
+        lines[4] == "| question_only_ceiling | nan | nan | nan | nan | nan | nan | nan | nan | 0.400 | – | – "
         "| computed from the data |"
     )
     assert lines[5:] == [

@@ -1,0 +1,68 @@
+"""scripts/benchmarks/benchmark_pointing.py: the named object's box, and pointing accuracy counted per layer and
+family."""
+
+import benchmark_pointing as bench  # scripts/benchmarks is on sys.path (conftest.py)
+import numpy as np
+import torch
+
+from mm_fusion.data.sort_of_clevr import COLOURS
+from mm_fusion.image_maps import ImageMaps
+
+
+OPTIONS = "num_train_images=4,num_test_images=6,seed=3"
+
+
+def test_boxes_cover_the_object_the_question_names():
+    test, boxes = bench.held_out_questions(OPTIONS, images=5)
+    assert sorted(set(test["image_id"])) == list(range(5)) and len(test) == len(boxes) == 5 * 6
+    for row, (x0, y0, x1, y1) in zip(test, boxes.tolist()):
+        colour = next(c for c in COLOURS if f" {c} " in row["question"])
+        pixels = np.asarray(row["image"].convert("RGB"))
+        # The box's centre holds the named colour (a circle's corners are background); the box is 10 x 10 pixels.
+        assert tuple(pixels[(y0 + y1) // 2, (x0 + x1) // 2]) == COLOURS[colour]
+        assert (x1 - x0, y1 - y0) == (9, 9)
+
+
+class OracleModel:
+    """Answers right, and its first layer's map peaks on the named object; the second peaks on the opposite corner."""
+
+    def __init__(self, boxes: torch.Tensor, answers: list[int]):
+        self.boxes, self.answers, self.position = boxes, answers, 0
+        self.config = type("Config", (), {"id2label": dict(enumerate(bench_answer_names()))})()
+
+    def image_maps(self, pixel_values, input_ids, attention_mask=None, method=None):
+        n = pixel_values.shape[0]
+        maps = torch.zeros(n, 2, 8, 8)
+        for k in range(n):
+            x0, y0, x1, y1 = self.boxes[self.position + k].tolist()
+            maps[k, 0, ((y0 + y1) // 2) // 8, ((x0 + x1) // 2) // 8] = 1.0
+            maps[k, 1, 0 if y0 > 32 else 7, 0 if x0 > 32 else 7] = 1.0
+        logits = torch.nn.functional.one_hot(torch.tensor(self.answers[self.position : self.position + n]), 10).float()
+        self.position += n
+        return ImageMaps(maps, ["fusion layer 1", "fusion layer 2"], "attention", logits, logits.argmax(-1),
+                         torch.zeros(n, 2))  # fmt: skip
+
+
+def bench_answer_names():
+    from mm_fusion.data.sort_of_clevr import answer_names
+
+    return answer_names()
+
+
+def fake_processor(images, text):
+    return {
+        "pixel_values": torch.zeros(len(images), 3, 64, 64, dtype=torch.uint8),
+        "input_ids": torch.ones(len(text), 3, dtype=torch.long),
+    }
+
+
+def test_pointing_counts_the_peak_inside_the_named_object_per_layer_and_family():
+    test, boxes = bench.held_out_questions(OPTIONS, images=6)
+    model = OracleModel(boxes, test["answer"])
+    figures = bench.measure(model, fake_processor, test, boxes, method=None, batch_size=7)
+    assert figures["questions"] == 36 and figures["layers"] == ["fusion layer 1", "fusion layer 2"]
+    assert figures["per_layer"]["fusion layer 1"] == {f: 1.0 for f in ("non_relational", *bench.FAMILIES)}
+    assert figures["per_layer"]["fusion layer 2"]["non_relational"] == 0.0
+    assert figures["best_layer"] == "fusion layer 1" and figures["best_non_relational"] == 1.0
+    assert figures["answer_accuracy"]["non_relational"] == 1.0
+    assert "| attention | fusion layer 2 | 0.000 |" in bench.table(figures)

@@ -1,0 +1,109 @@
+"""Where a model looks: `MMFusionForImageTextClassification.image_maps` (attention and Grad-CAM), the pointing check
+and the pipeline's `return_map`."""
+
+import copy
+
+import pytest
+import torch
+
+from mm_fusion import MMFusionForImageTextClassification
+from mm_fusion.image_maps import peak_inside, upsample
+
+
+def classifier(tester, fusion_type: str, tower: str, **kwargs) -> MMFusionForImageTextClassification:
+    torch.manual_seed(0)
+    vision = {"vit": tester.vision_config(), "resnet": tester.resnet_config()}[tower]
+    return MMFusionForImageTextClassification(tester.config(fusion_type, vision_config=vision, **kwargs)).eval()
+
+
+@pytest.mark.parametrize("fusion_type", ["hierarchical", "cross_attention"])
+@pytest.mark.parametrize("tower", ["vit", "resnet"])
+def test_attention_maps_are_the_probabilities_the_model_attends_with(tester, fusion_type, tower):
+    """Under SDPA (no probabilities returned) the maps equal the eager implementation's text-to-image probabilities,
+    averaged over heads and the text's real tokens; a ViT's class token is reported apart, the rest on the grid."""
+    model = classifier(tester, fusion_type, tower)
+    inputs = tester.inputs()
+    result = model.image_maps(**inputs)
+    assert result.method == "attention" and result.layers == ["fusion layer 1", "fusion layer 2"]
+    eager = copy.deepcopy(model)
+    eager.config._attn_implementation = {"": "eager"}  # the fusion only; the towers keep theirs
+    with torch.no_grad():
+        outputs = eager(**inputs, output_attentions=True)
+    mask = inputs["attention_mask"].float()
+    for layer, probabilities in enumerate(outputs.text_to_image_attentions):
+        expected = (probabilities * mask[:, None, :, None]).sum(2).mean(1) / mask.sum(1, keepdim=True)
+        leading = 1 if tower == "vit" else 0
+        grid = result.maps[:, layer]
+        assert expected.shape[-1] == grid[0].numel() + leading
+        torch.testing.assert_close(grid.flatten(1), expected[:, leading:])
+        torch.testing.assert_close(result.leading_share[:, layer], expected[:, :leading].sum(-1))
+        torch.testing.assert_close(grid.sum((-1, -2)) + result.leading_share[:, layer], torch.ones(3))
+    torch.testing.assert_close(result.logits, outputs.logits)
+    # One token's attention instead of the mean.
+    one = model.image_maps(**inputs, token=1)
+    first = outputs.text_to_image_attentions[0][:, :, 1].mean(1)
+    torch.testing.assert_close(one.maps[:, 0].flatten(1), first[:, 1 if tower == "vit" else 0 :])
+
+
+def test_maps_of_texts_sharing_an_image(tester):
+    """Texts that share an image through `image_index` get the maps they get with their own copy of it."""
+    for fusion_type, method in (("hierarchical", "attention"), ("hierarchical", "grad_cam"), ("late", "grad_cam")):
+        model = classifier(tester, fusion_type, "resnet")
+        inputs = tester.inputs()
+        image_index = torch.tensor([0, 0, 1])
+        shared = model.image_maps(**{**inputs, "pixel_values": inputs["pixel_values"][:2]}, image_index=image_index,
+                                  method=method)  # fmt: skip
+        own = model.image_maps(**{**inputs, "pixel_values": inputs["pixel_values"][image_index]}, method=method)
+        torch.testing.assert_close(shared.maps, own.maps)
+        assert not torch.allclose(shared.maps[0], shared.maps[2])  # another image, another map
+
+
+def test_grad_cam_explains_the_answer_asked_for(tester):
+    model = classifier(tester, "late", "resnet")
+    inputs = tester.inputs()
+    top = model.image_maps(**inputs)
+    assert top.method == "grad_cam" and top.layers == ["Grad-CAM, vision stage 2"]
+    assert torch.equal(top.targets, top.logits.argmax(-1))
+    assert top.maps.shape == (3, 1, 4, 4) and (top.maps >= 0).all()
+    torch.testing.assert_close(top.maps.sum((-1, -2)), torch.ones(3, 1))
+    other = (top.targets + 1) % tester.num_labels
+    again = model.image_maps(**inputs, targets=other)
+    assert torch.equal(again.targets, other) and not torch.allclose(again.maps, top.maps)
+    assert all(p.grad is None for p in model.parameters())  # the model is left as it was
+
+
+def test_grad_cam_of_a_film_model_follows_the_question(tester):
+    """With FiLM the tower's map is the text's: the same image asked two things gets two maps."""
+    model = classifier(tester, "late", "resnet", vision_film=True, vision_film_init="pytorch")
+    inputs = tester.inputs()
+    pixel_values = inputs["pixel_values"][:1].expand(3, -1, -1, -1)
+    result = model.image_maps(**{**inputs, "pixel_values": pixel_values})
+    assert not torch.allclose(result.maps[0], result.maps[1])
+
+
+def test_wrong_requests_are_named(tester):
+    late = classifier(tester, "late", "resnet")
+    inputs = tester.inputs()
+    with pytest.raises(ValueError, match="late-fusion model has no cross-attention"):
+        late.image_maps(**inputs, method="attention")
+    with pytest.raises(ValueError, match="Unknown map method 'saliency'"):
+        late.image_maps(**inputs, method="saliency")
+    fused = classifier(tester, "hierarchical", "resnet")
+    with pytest.raises(ValueError, match="`targets` choose the answer a Grad-CAM map explains"):
+        fused.image_maps(**inputs, targets=torch.zeros(3, dtype=torch.long))
+    with pytest.raises(ValueError, match="outside the texts' 7 positions"):
+        fused.image_maps(**inputs, token=7)
+
+
+def test_peak_inside_takes_the_centre_of_the_highest_cell():
+    maps = torch.zeros(4, 4, 4)
+    maps[0, 1, 2] = 1.0  # a 4x4 grid on 64 px: cell (row 1, column 2) covers x 32-47, y 16-31; its centre (39.5, 23.5)
+    maps[1, 3, 0] = 1.0  # centre (7.5, 55.5)
+    maps[2] = 1.0 / 16  # flat: the first cell, centre (7.5, 7.5)
+    maps[3, 0, 3] = 1.0  # a corner cell: its centre (55.5, 7.5), not the image's edge
+    boxes = torch.tensor([[35, 20, 44, 29], [35, 20, 44, 29], [0, 0, 7, 7], [50, 2, 59, 11]])
+    assert peak_inside(maps, boxes, (64, 64)).tolist() == [True, False, True, True]
+    assert not peak_inside(maps[:1], torch.tensor([[41, 24, 50, 33]]), (64, 64)).item()  # the centre just outside
+    assert upsample(maps, (64, 64)).shape == (4, 64, 64)
+    # Per layer: (N, L, h, w) maps give (N, L).
+    assert peak_inside(torch.stack([maps, maps.flip(0)], 1), boxes, (64, 64)).shape == (4, 2)
