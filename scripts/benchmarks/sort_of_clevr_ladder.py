@@ -38,7 +38,15 @@ Contenders (`--variants`):
   sine positions in place of the coordinates; width 96; the question through the recipe's text tower, every token a
   query, the tower at a tenth of the rate (`climb_text_full_lr`: at the full rate); the read added to each token and
   mean-pooled (`climb_residual`, mm_fusion's text stream); then, each from `climb_residual`, mm_fusion's ResNet
-  tower (its stem, stage 1 or stage 2), the read's projections from N(0, 0.02), LayerNorm on the cells.
+  tower (its stem, stage 1 or stage 2), the read's projections from N(0, 0.02), LayerNorm on the cells; from the
+  stem read, LayerNorm on the cells (`climb_stem_layernorm`) and mm_fusion's fusion layer as the read
+  (`climb_stem_mm_block`: self-attention, LayerNorms on queries and context, cross-attention, MLP; `_no_context_norm`
+  without the LayerNorm on the cells).
+- `mm_hier_*` (issue 31): mm_fusion's hierarchical model (no FiLM) with the layers outside the towers drawn as PyTorch
+  draws them and the text tower at a tenth of the rate, then: without the LayerNorms on the image tokens, with
+  coordinates, reading ResNet stages 1-2 or the stem and stage 1, bidirectional; `mm_hier_read_like` (the stem and
+  stage 1, no image LayerNorms, the joint vector the text stream alone); one fusion layer reading the stem
+  (`mm_hier_one_layer_stem`, and `_read_like` without image LayerNorms, the text stream alone).
 - `mm_fusion`: the Sort-of-CLEVR recipe's model (ResNet tower, hierarchical fusion, width 96, 2-layer BERT).
 - `mm_fusion_std01`: the same with `initializer_range=0.1` (fusion block and text tower).
 - `mm_fusion_film`: the recipe's model with `vision_film=True` (every ResNet stage scaled and shifted by a linear map
@@ -130,6 +138,9 @@ VARIANTS = (
     "climb_resnet2",
     "climb_std002",
     "climb_layernorm",
+    "climb_stem_layernorm",
+    "climb_stem_mm_block",
+    "climb_stem_mm_block_no_context_norm",
     "mm_fusion",
     "mm_fusion_std01",
     "mm_fusion_film",
@@ -150,6 +161,13 @@ VARIANTS = (
     "mm_hier_fixes_no_image_norms",
     "mm_hier_fixes_coordinates",
     "mm_hier_fixes_stage1",
+    "mm_hier_fixes_stem",
+    "mm_hier_fixes_stem_no_image_norms",
+    "mm_hier_read_like",
+    "mm_hier_one_layer_stem_read_like",
+    "mm_hier_one_layer_stem_read_like_read_head",
+    "mm_hier_one_layer_stem_read_like_unnormalised",
+    "mm_hier_one_layer_stem",
     "mm_hier_fixes_bidirectional",
 )
 
@@ -417,6 +435,14 @@ class AttentionRead(nn.Module):
         if readout == "residual_mean":
             self.out = nn.Linear(width, question_width)
             mlp_in = question_width
+        elif readout.startswith("mm_block"):  # mm_fusion's fusion layer (text stream) in place of the read
+            from mm_fusion.modeling_mm_fusion import MMFusionStreamBlock
+
+            self.text_in = nn.Linear(question_width, width)
+            self.block = MMFusionStreamBlock(recipe_config(config_overrides=f"fusion_hidden_size={width}"))
+            if readout == "mm_block_no_context_norm":
+                self.block.context_norm = nn.Identity()
+            mlp_in = width
         else:
             mlp_in = width + question_width
         self.mlp = nn.Sequential(nn.Linear(mlp_in, 256), nn.ReLU(), nn.Linear(256, len(ANSWERS)))
@@ -441,6 +467,9 @@ class AttentionRead(nn.Module):
             tokens = self.text(input_ids=question_ids(question)).last_hidden_state  # (B, 3, 96)
         else:
             tokens = question.unsqueeze(1)  # (B, 1, 12)
+        if self.readout.startswith("mm_block"):
+            states, _, _ = self.block(self.text_in(tokens), cells, None, None)
+            return self.mlp(states.mean(1))
         q, k, v = self.query(tokens), self.key(cells), self.value(cells)
         heads, size = self.heads, q.shape[-1] // self.heads
         q, k, v = (x.view(batch, -1, heads, size).transpose(1, 2) for x in (q, k, v))  # (B, heads, n, size)
@@ -463,6 +492,8 @@ class MMFusion(nn.Module):
         torch_init: bool = False,
         film_init_std: float | None = None,
         text_lr_scale: float = 1.0,
+        read_head: bool = False,
+        normalise: bool = True,
         **overrides,
     ):
         super().__init__()
@@ -491,8 +522,13 @@ class MMFusion(nn.Module):
             encoder.image_bridge_norms = nn.ModuleList(nn.Identity() for _ in encoder.image_bridge_norms)
             for layer in encoder.layers:
                 layer.text_block.context_norm = nn.Identity()
-        self.register_buffer("mean", torch.tensor(config.image_mean).view(1, 3, 1, 1))
-        self.register_buffer("std", torch.tensor(config.image_std).view(1, 3, 1, 1))
+        if read_head:  # the read's head: no LayerNorm on the pooled text, a ReLU MLP without LayerNorm
+            self.model.mm_fusion.encoder.text_norm = nn.Identity()
+            width = config.fusion_hidden_size * {"text": 1, "concat": 2, "concat_product": 3}[config.joint_pooling]
+            self.model.classifier = nn.Sequential(nn.Linear(width, 256), nn.ReLU(), nn.Linear(256, len(ANSWERS)))
+        # Without `normalise`, the pixels in [0, 1] as the hand-written contenders see them, not ImageNet-normalised.
+        self.register_buffer("mean", torch.tensor(config.image_mean if normalise else [0.0] * 3).view(1, 3, 1, 1))
+        self.register_buffer("std", torch.tensor(config.image_std if normalise else [1.0] * 3).view(1, 3, 1, 1))
         self.text_lr_scale = text_lr_scale
 
     def param_groups(self, lr: float) -> list[dict]:
@@ -540,6 +576,11 @@ CLIMB |= {
     "climb_resnet2": CLIMB_READ | {"tower": "resnet2"},
     "climb_std002": CLIMB_READ | {"std": 0.02},
     "climb_layernorm": CLIMB_READ | {"norm": True},
+    "climb_stem_layernorm": CLIMB_READ | {"tower": "resnet_stem", "norm": True},
+    # mm_fusion's fusion layer (self-attention, LayerNorms on queries and context, cross-attention, MLP) as the read.
+    "climb_stem_mm_block": CLIMB_READ | {"tower": "resnet_stem", "readout": "mm_block"},
+    "climb_stem_mm_block_no_context_norm": CLIMB_READ
+    | {"tower": "resnet_stem", "readout": "mm_block_no_context_norm"},
 }
 
 # mm_fusion's own hierarchical model (no FiLM) with the fixes the climb points to, through its options.
@@ -556,6 +597,48 @@ MM_HIERARCHICAL = {
     },
     "mm_hier_fixes_stage1": {
         "config_overrides": "fusion_init=pytorch,vision_bridge_layers=[1,2]",
+        "text_lr_scale": 0.1,
+    },
+    "mm_hier_fixes_stem": {
+        "config_overrides": "fusion_init=pytorch,vision_bridge_layers=[0,1]",
+        "text_lr_scale": 0.1,
+    },
+    "mm_hier_fixes_stem_no_image_norms": {
+        "config_overrides": "fusion_init=pytorch,vision_bridge_layers=[0,1]",
+        "text_lr_scale": 0.1,
+        "image_norms": False,
+    },
+    # Everything the read that learns has and mm_fusion's block lacks, at once (then taken back one at a time): no
+    # LayerNorms on the image tokens, the joint vector the text stream alone, no dropout.
+    "mm_hier_read_like": {
+        "config_overrides": "fusion_init=pytorch,vision_bridge_layers=[0,1],joint_pooling=text,fusion_dropout=0.0,"
+        "classifier_dropout=0.0",
+        "text_lr_scale": 0.1,
+        "image_norms": False,
+    },
+    # One fusion layer reading the stem: the block that learns as a read (climb_stem_mm_block), in mm_fusion's model.
+    "mm_hier_one_layer_stem_read_like": {
+        "config_overrides": "fusion_init=pytorch,num_fusion_layers=1,vision_bridge_layers=[0],text_bridge_layers=[2],"
+        "joint_pooling=text",
+        "text_lr_scale": 0.1,
+        "image_norms": False,
+    },
+    "mm_hier_one_layer_stem_read_like_read_head": {
+        "config_overrides": "fusion_init=pytorch,num_fusion_layers=1,vision_bridge_layers=[0],text_bridge_layers=[2],"
+        "joint_pooling=text",
+        "text_lr_scale": 0.1,
+        "image_norms": False,
+        "read_head": True,
+    },
+    "mm_hier_one_layer_stem_read_like_unnormalised": {
+        "config_overrides": "fusion_init=pytorch,num_fusion_layers=1,vision_bridge_layers=[0],text_bridge_layers=[2],"
+        "joint_pooling=text",
+        "text_lr_scale": 0.1,
+        "image_norms": False,
+        "normalise": False,
+    },
+    "mm_hier_one_layer_stem": {
+        "config_overrides": "fusion_init=pytorch,num_fusion_layers=1,vision_bridge_layers=[0],text_bridge_layers=[2]",
         "text_lr_scale": 0.1,
     },
     "mm_hier_fixes_bidirectional": {
@@ -717,6 +800,42 @@ def plot(runs: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
+def colour_probe(seed: int = 1, images: int = 400) -> dict[str, float]:
+    """
+    How well the towers' features at initialisation tell an object's colour: the feature vector of the cell under each
+    object's centre, classified by the nearest colour mean of the first half of the objects, on the second half. For
+    the two-conv tower of the read and mm_fusion's ResNet (stem, stages 1-3), images in [0, 1], train-mode BatchNorm.
+    """
+    torch.manual_seed(seed)
+    scenes = generate_scenes(
+        num_train_images=images, num_test_images=1, num_objects=len(COLOURS), image_size=IMAGE_SIZE,
+        object_size=OBJECT_SIZE, min_distance_gap=2.0, seed=seed,
+    )["train"]  # fmt: skip
+    pixels = build_split(scenes)["images"]
+    read = AttentionRead().tower
+    towers = {"two convs (16 x 16)": read, "ResNet stem (16 x 16)": resnet_backbone(1).embedder}
+    for stage, grid in ((1, 16), (2, 8), (3, 4)):
+        backbone = resnet_backbone(stage)
+        towers[f"ResNet stage {stage} ({grid} x {grid})"] = lambda x, b=backbone: b(x).feature_maps[0]
+    result = {}
+    for name, tower in towers.items():
+        with torch.no_grad():
+            maps = tower(pixels)
+        height, width = maps.shape[-2:]
+        features, colours = [], []
+        for i, scene in enumerate(scenes):
+            for c, o in enumerate(scene):
+                cell = min(o["y"] * height // IMAGE_SIZE, height - 1), min(o["x"] * width // IMAGE_SIZE, width - 1)
+                features.append(maps[i, :, cell[0], cell[1]])
+                colours.append(c)
+        features, colours = torch.stack(features), torch.tensor(colours)
+        half = len(colours) // 2
+        means = torch.stack([features[:half][colours[:half] == c].mean(0) for c in range(len(COLOURS))])
+        predicted = torch.cdist(features[half:], means).argmin(1)
+        result[name] = round((predicted == colours[half:]).float().mean().item(), 3)
+    return result
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
@@ -729,11 +848,18 @@ def main(argv=None) -> dict:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--merge", nargs="+", default=[], help="Only combine these reports (JSON) into --output.")
+    parser.add_argument(
+        "--colour_probe", action="store_true", help="Only print how well each tower's initial features tell colours."
+    )
     parser.add_argument("--output", default=str(RESULTS / "sort_of_clevr_ladder_runs"), help="Without a suffix.")
     args = parser.parse_args(argv)
     threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
     try:
+        if args.colour_probe:
+            probe = colour_probe(args.seed)
+            print(markdown_table(["tower", "colour from the object's cell"], [[k, v] for k, v in probe.items()]))
+            return probe
         return run(args)
     finally:  # called in-process (tests), the caller's thread pool is left as it was
         torch.set_num_threads(threads)

@@ -66,3 +66,10 @@ def test_tiny_run_of_every_variant_and_merge(tmp_path):
     both = ladder.main(["--merge", f"{tmp_path / 'all'}.json", f"{tmp_path / 'seed1'}.json", "--output", str(first)])
     names = [ladder.run_name(r) for r in both["runs"]]
     assert names[names.index("film") + 1] == "film (seed 1)" and len(names) == len(ladder.VARIANTS) + 1
+
+
+def test_colour_probe_reads_the_colour_off_the_stem_and_less_off_the_last_stage():
+    probe = ladder.colour_probe(seed=1, images=60)
+    assert list(probe) == ["two convs (16 x 16)", "ResNet stem (16 x 16)", "ResNet stage 1 (16 x 16)",
+                           "ResNet stage 2 (8 x 8)", "ResNet stage 3 (4 x 4)"]  # fmt: skip
+    assert probe["ResNet stem (16 x 16)"] >= 0.9 > probe["ResNet stage 3 (4 x 4)"]
