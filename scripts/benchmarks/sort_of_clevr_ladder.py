@@ -46,7 +46,9 @@ Contenders (`--variants`):
   draws them and the text tower at a tenth of the rate, then: without the LayerNorms on the image tokens, with
   coordinates, reading ResNet stages 1-2 or the stem and stage 1, bidirectional; `mm_hier_read_like` (the stem and
   stage 1, no image LayerNorms, the joint vector the text stream alone); one fusion layer reading the stem
-  (`mm_hier_one_layer_stem`, and `_read_like` without image LayerNorms, the text stream alone).
+  (`mm_hier_one_layer_stem`, and `_read_like` without image LayerNorms, the text stream alone; from that, the read's
+  head in place of mm_fusion's and no LayerNorm on the pooled text (`_read_head`), no LayerNorm on the pooled text
+  alone (`_no_text_norm`), pixels in [0, 1] (`_unnormalised`)).
 - `mm_fusion`: the Sort-of-CLEVR recipe's model (ResNet tower, hierarchical fusion, width 96, 2-layer BERT).
 - `mm_fusion_std01`: the same with `initializer_range=0.1` (fusion block and text tower).
 - `mm_fusion_film`: the recipe's model with `vision_film=True` (every ResNet stage scaled and shifted by a linear map
@@ -166,6 +168,7 @@ VARIANTS = (
     "mm_hier_read_like",
     "mm_hier_one_layer_stem_read_like",
     "mm_hier_one_layer_stem_read_like_read_head",
+    "mm_hier_one_layer_stem_read_like_no_text_norm",
     "mm_hier_one_layer_stem_read_like_unnormalised",
     "mm_hier_one_layer_stem",
     "mm_hier_fixes_bidirectional",
@@ -493,6 +496,7 @@ class MMFusion(nn.Module):
         film_init_std: float | None = None,
         text_lr_scale: float = 1.0,
         read_head: bool = False,
+        text_norm: bool = True,
         normalise: bool = True,
         **overrides,
     ):
@@ -526,6 +530,8 @@ class MMFusion(nn.Module):
             self.model.mm_fusion.encoder.text_norm = nn.Identity()
             width = config.fusion_hidden_size * {"text": 1, "concat": 2, "concat_product": 3}[config.joint_pooling]
             self.model.classifier = nn.Sequential(nn.Linear(width, 256), nn.ReLU(), nn.Linear(256, len(ANSWERS)))
+        if not text_norm:  # no LayerNorm on the fused text stream before it is pooled
+            self.model.mm_fusion.encoder.text_norm = nn.Identity()
         # Without `normalise`, the pixels in [0, 1] as the hand-written contenders see them, not ImageNet-normalised.
         self.register_buffer("mean", torch.tensor(config.image_mean if normalise else [0.0] * 3).view(1, 3, 1, 1))
         self.register_buffer("std", torch.tensor(config.image_std if normalise else [1.0] * 3).view(1, 3, 1, 1))
@@ -629,6 +635,13 @@ MM_HIERARCHICAL = {
         "text_lr_scale": 0.1,
         "image_norms": False,
         "read_head": True,
+    },
+    "mm_hier_one_layer_stem_read_like_no_text_norm": {
+        "config_overrides": "fusion_init=pytorch,num_fusion_layers=1,vision_bridge_layers=[0],text_bridge_layers=[2],"
+        "joint_pooling=text",
+        "text_lr_scale": 0.1,
+        "image_norms": False,
+        "text_norm": False,
     },
     "mm_hier_one_layer_stem_read_like_unnormalised": {
         "config_overrides": "fusion_init=pytorch,num_fusion_layers=1,vision_bridge_layers=[0],text_bridge_layers=[2],"
