@@ -95,30 +95,29 @@ def measure(model, processor, test, boxes, method: str | None, batch_size: int =
     return figures
 
 
-def grid_examples(test, boxes, count: int = 8) -> list[int]:
-    """`count` non-relational questions of distinct images, cycling through the families and colours."""
-    chosen, seen_images, k = [], set(), 0
-    wanted = [(NON_RELATIONAL[i % 3], i % 6) for i in range(count)]
+def grid_examples(test, count: int = 8) -> list[int]:
+    """`count` non-relational questions of distinct images, cycling through the families and colours (any colour where
+    no unused image asks about the wanted one)."""
     from mm_fusion.data.sort_of_clevr import COLOURS
 
     colours = list(COLOURS)
-    for index, (family, question, image_id) in enumerate(
-        zip(test["question_family"], test["question"], test["image_id"])
-    ):
-        if k == count:
-            break
-        want_family, want_colour = wanted[k]
-        if family == want_family and colours[want_colour] in question and image_id not in seen_images:
+    rows = list(zip(test["question_family"], test["question"], test["image_id"]))
+    chosen, used = [], set()
+    for k in range(count):
+        family, colour = NON_RELATIONAL[k % len(NON_RELATIONAL)], colours[k % len(colours)]
+        candidates = [i for i, (f, _, image) in enumerate(rows) if f == family and image not in used]
+        exact = [i for i in candidates if f" {colour} " in rows[i][1]]
+        if candidates:
+            index = (exact or candidates)[0]
             chosen.append(index)
-            seen_images.add(image_id)
-            k += 1
+            used.add(rows[index][2])
     return chosen
 
 
 def draw_grid(model, processor, test, boxes, path: str, method: str | None) -> None:
     from mm_fusion.image_maps import plot
 
-    picked = grid_examples(test, boxes)
+    picked = grid_examples(test)
     rows = test.select(picked)
     batch = processor(images=rows["image"], text=rows["question"])
     result = model.image_maps(**batch, method=method)
@@ -174,8 +173,11 @@ def load(model_dir: str):
     return model, AutoProcessor.from_pretrained(model_dir)
 
 
-def pointing(model_dir: str, dataset_options: str | None = None, images: int = 1000, methods=(None,)) -> dict:
-    """The figures of a saved model, per method (`None`: the model's default, attention or Grad-CAM)."""
+def pointing(
+    model_dir: str, dataset_options: str | None = None, images: int = 1000, methods=(None,), grid: str | None = None
+) -> dict:
+    """The figures of a saved model, per method (`None`: the model's default, attention or Grad-CAM); with `grid`, the
+    8-question drawing of its default maps there too."""
     model, processor = load(model_dir)
     options = dataset_options or recipe_dataset_options()
     test, boxes = held_out_questions(options, images)
@@ -184,6 +186,8 @@ def pointing(model_dir: str, dataset_options: str | None = None, images: int = 1
         figures = measure(model, processor, test, boxes, method)
         report["by_method"][figures["method"]] = figures
     report["machine"] = machine()
+    if grid:
+        draw_grid(model, processor, test, boxes, grid, None)
     return report
 
 
@@ -198,19 +202,16 @@ def main(argv=None) -> dict:
     parser.add_argument("--grid", default=None, help="Also draw 8 held-out questions with their maps to this PNG.")
     args = parser.parse_args(argv)
     methods = (None, "grad_cam") if args.grad_cam_too else (None,)
-    report = pointing(args.model, args.dataset_options, args.images, methods)
+    path = ROOT / args.results
+    rows = json.loads(path.read_text()) if args.run else {}
+    if args.run and args.run not in rows:  # before any work
+        raise SystemExit(f"--run {args.run}: no such row in {path} (rows: {', '.join(rows)}).")
+    report = pointing(args.model, args.dataset_options, args.images, methods, args.grid)
     for figures in report["by_method"].values():
         print(table(figures))
     if args.grid:
-        model, processor = load(args.model)
-        test, boxes = held_out_questions(report["dataset_options"], args.images)
-        draw_grid(model, processor, test, boxes, args.grid, None)
         print(f"grid: {args.grid}", file=sys.stderr)
     if args.run:
-        path = ROOT / args.results
-        rows = json.loads(path.read_text())
-        if args.run not in rows:
-            raise SystemExit(f"--run {args.run}: no such row in {path} (rows: {', '.join(rows)}).")
         rows[args.run]["pointing"] = report
         path.write_text(json.dumps(rows, indent=2) + "\n")
     return report

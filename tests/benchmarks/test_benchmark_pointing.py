@@ -66,3 +66,12 @@ def test_pointing_counts_the_peak_inside_the_named_object_per_layer_and_family()
     assert figures["best_layer"] == "fusion layer 1" and figures["best_non_relational"] == 1.0
     assert figures["answer_accuracy"]["non_relational"] == 1.0
     assert "| attention | fusion layer 2 | 0.000 |" in bench.table(figures)
+
+
+def test_grid_draws_eight_non_relational_questions_of_distinct_images(tmp_path):
+    test, boxes = bench.held_out_questions("num_train_images=4,num_test_images=12,seed=3", images=12)
+    picked = bench.grid_examples(test)
+    assert len(picked) == 8 and len({test[i]["image_id"] for i in picked}) == 8
+    assert {test[i]["question_family"] for i in picked} == set(bench.NON_RELATIONAL)
+    bench.draw_grid(OracleModel(boxes, test["answer"]), fake_processor, test, boxes, str(tmp_path / "g.png"), None)
+    assert (tmp_path / "g.png").stat().st_size > 10_000
