@@ -176,7 +176,7 @@ class MMFusionConfig(PretrainedConfig):
             projections, heads) are drawn: `"normal"` (N(0, `initializer_range`), biases zero, as BERT / CLIP) or
             `"pytorch"` (as PyTorch draws a new `nn.Linear` / `nn.Conv2d`: uniform with bound 1 / sqrt(fan-in), about
             N(0, 0.06) for a width of 96). On Sort-of-CLEVR only the second lets a late FiLM model leave the
-            question-only prior (`scripts/benchmarks/results/sort_of_clevr_ladder.md`).
+            question-only prior (`scripts/research/results/sort_of_clevr_ladder.md`).
         vision_position_embedding (`str`, *optional*, defaults to `"sine"`):
             How the tokens of a backbone / convolutional tower know where they are: `"sine"` (fixed 2-D sine
             embeddings added after the 1x1 projection to `fusion_hidden_size`), `"coordinates"` ((x, y) channels

@@ -491,7 +491,8 @@ def test_flops_count_images_and_texts(tester):
 
 SCRIPTS = sorted(
     str(p.relative_to(ROOT / "scripts"))
-    for p in [*(ROOT / "scripts").glob("*.py"), *(ROOT / "scripts" / "benchmarks").glob("*.py")]
+    for folder in ("", "benchmarks", "research")
+    for p in (ROOT / "scripts" / folder).glob("*.py")
     if p.name != "benchmarking.py"  # the benchmarks' shared module, no command of its own
 )
 

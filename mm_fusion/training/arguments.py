@@ -313,7 +313,7 @@ class MMFusionTrainingArguments(TrainingArguments):
         metadata={
             "help": "The text tower's learning rate as a fraction of --learning_rate (its own AdamW parameter groups, "
             "following the same schedule). 0.1 is what let a late FiLM model with a text tower built from scratch "
-            "learn Sort-of-CLEVR (scripts/benchmarks/results/sort_of_clevr_ladder.md); 1 trains every part alike."
+            "learn Sort-of-CLEVR (scripts/research/results/sort_of_clevr_ladder.md); 1 trains every part alike."
         },
     )
     batch_size_ramp_max: int | None = field(

@@ -7,7 +7,7 @@ arXiv:1706.01427), for mm_fusion the token ids [CLS, colour, family] through its
 Adam(W) at a fixed learning rate, one thread each; held-out accuracy per question family every `--eval_every` steps.
 This isolates the model from the training pipeline (tokenizer, grouped batches, schedule).
 
-    python scripts/benchmarks/sort_of_clevr_ladder.py --variants cnn_mlp film attention --steps 4000
+    python scripts/research/sort_of_clevr_ladder.py --variants cnn_mlp film attention --steps 4000
 
 Contenders (`--variants`):
 - `cnn_mlp`: the paper's CNN+MLP baseline: four stride-2 3x3 convs (24 channels, BatchNorm), flattened, with the
@@ -48,7 +48,11 @@ Contenders (`--variants`):
   stage 1, no image LayerNorms, the joint vector the text stream alone); one fusion layer reading the stem
   (`mm_hier_one_layer_stem`, and `_read_like` without image LayerNorms, the text stream alone; from that, the read's
   head in place of mm_fusion's and no LayerNorm on the pooled text (`_read_head`), no LayerNorm on the pooled text
-  alone (`_no_text_norm`), pixels in [0, 1] (`_unnormalised`)).
+  alone (`_no_text_norm`), pixels in [0, 1] (`_unnormalised`), the pooled text's LayerNorm kept with the read's ReLU
+  MLP (`_relu_head`) or with mm_fusion's head less its inner LayerNorm (`_head_no_norm`), `_read_head` with (x, y)
+  coordinate channels in place of sine positions (`_read_head_coordinates`)); the image stream attending to the
+  question too (`mm_hier_one_layer_stem_bidirectional`, `mm_hier_stem_stage1_bidirectional`: co-attention, the
+  config's default direction, with mm_fusion's norms, head and joint vector).
 - `mm_fusion`: the Sort-of-CLEVR recipe's model (ResNet tower, hierarchical fusion, width 96, 2-layer BERT).
 - `mm_fusion_std01`: the same with `initializer_range=0.1` (fusion block and text tower).
 - `mm_fusion_film`: the recipe's model with `vision_film=True` (every ResNet stage scaled and shifted by a linear map
@@ -87,6 +91,7 @@ Writes `results/sort_of_clevr_ladder_runs.json` (every evaluation), `.md` (the t
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -94,9 +99,12 @@ import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from benchmarking import RESULTS, machine, markdown_table, write_report
 
-from mm_fusion.data.sort_of_clevr import (
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # the benchmarks' shared helpers
+from benchmarking import machine, markdown_table, write_report  # noqa: E402
+
+from mm_fusion.data.sort_of_clevr import (  # noqa: E402
     COLOURS,
     QUESTION_FAMILIES,
     answer_names,
@@ -104,7 +112,10 @@ from mm_fusion.data.sort_of_clevr import (
     generate_scenes,
     render_scene,
 )
-from mm_fusion.vision_towers import sine_positions
+from mm_fusion.vision_towers import sine_positions  # noqa: E402
+
+
+RESULTS = Path(__file__).resolve().parent / "results"
 
 
 FAMILIES, COLOUR_NAMES, ANSWERS = list(QUESTION_FAMILIES), list(COLOURS), answer_names(6)
@@ -169,8 +180,13 @@ VARIANTS = (
     "mm_hier_one_layer_stem_read_like",
     "mm_hier_one_layer_stem_read_like_read_head",
     "mm_hier_one_layer_stem_read_like_no_text_norm",
+    "mm_hier_one_layer_stem_read_like_read_head_coordinates",
+    "mm_hier_one_layer_stem_read_like_relu_head",
+    "mm_hier_one_layer_stem_read_like_head_no_norm",
     "mm_hier_one_layer_stem_read_like_unnormalised",
     "mm_hier_one_layer_stem",
+    "mm_hier_one_layer_stem_bidirectional",
+    "mm_hier_stem_stage1_bidirectional",
     "mm_hier_fixes_bidirectional",
 )
 
@@ -497,6 +513,7 @@ class MMFusion(nn.Module):
         text_lr_scale: float = 1.0,
         read_head: bool = False,
         text_norm: bool = True,
+        head: str = "mm",
         normalise: bool = True,
         **overrides,
     ):
@@ -530,6 +547,11 @@ class MMFusion(nn.Module):
             self.model.mm_fusion.encoder.text_norm = nn.Identity()
             width = config.fusion_hidden_size * {"text": 1, "concat": 2, "concat_product": 3}[config.joint_pooling]
             self.model.classifier = nn.Sequential(nn.Linear(width, 256), nn.ReLU(), nn.Linear(256, len(ANSWERS)))
+        if head == "relu_mlp":  # the read's ReLU MLP in place of mm_fusion's head (the pooled text's LayerNorm kept)
+            width = config.fusion_hidden_size * {"text": 1, "concat": 2, "concat_product": 3}[config.joint_pooling]
+            self.model.classifier = nn.Sequential(nn.Linear(width, 256), nn.ReLU(), nn.Linear(256, len(ANSWERS)))
+        elif head == "mm_no_norm":  # mm_fusion's head without its inner LayerNorm: Linear, GELU, dropout, Linear
+            self.model.classifier.norm = nn.Identity()
         if not text_norm:  # no LayerNorm on the fused text stream before it is pooled
             self.model.mm_fusion.encoder.text_norm = nn.Identity()
         # Without `normalise`, the pixels in [0, 1] as the hand-written contenders see them, not ImageNet-normalised.
@@ -643,6 +665,27 @@ MM_HIERARCHICAL = {
         "image_norms": False,
         "text_norm": False,
     },
+    "mm_hier_one_layer_stem_read_like_read_head_coordinates": {
+        "config_overrides": "fusion_init=pytorch,num_fusion_layers=1,vision_bridge_layers=[0],text_bridge_layers=[2],"
+        "joint_pooling=text,vision_position_embedding=coordinates",
+        "text_lr_scale": 0.1,
+        "image_norms": False,
+        "read_head": True,
+    },
+    "mm_hier_one_layer_stem_read_like_relu_head": {
+        "config_overrides": "fusion_init=pytorch,num_fusion_layers=1,vision_bridge_layers=[0],text_bridge_layers=[2],"
+        "joint_pooling=text",
+        "text_lr_scale": 0.1,
+        "image_norms": False,
+        "head": "relu_mlp",
+    },
+    "mm_hier_one_layer_stem_read_like_head_no_norm": {
+        "config_overrides": "fusion_init=pytorch,num_fusion_layers=1,vision_bridge_layers=[0],text_bridge_layers=[2],"
+        "joint_pooling=text",
+        "text_lr_scale": 0.1,
+        "image_norms": False,
+        "head": "mm_no_norm",
+    },
     "mm_hier_one_layer_stem_read_like_unnormalised": {
         "config_overrides": "fusion_init=pytorch,num_fusion_layers=1,vision_bridge_layers=[0],text_bridge_layers=[2],"
         "joint_pooling=text",
@@ -653,6 +696,19 @@ MM_HIERARCHICAL = {
     "mm_hier_one_layer_stem": {
         "config_overrides": "fusion_init=pytorch,num_fusion_layers=1,vision_bridge_layers=[0],text_bridge_layers=[2]",
         "text_lr_scale": 0.1,
+    },
+    # The image stream attends to the question too (co-attention, the config's default direction), and the joint
+    # vector keeps the image stream's mean (mm_fusion's "concat"): each cell can be conditioned on the question, as
+    # FiLM conditions them, before any read has to be sharp.
+    "mm_hier_one_layer_stem_bidirectional": {
+        "config_overrides": "fusion_init=pytorch,num_fusion_layers=1,vision_bridge_layers=[0],text_bridge_layers=[2]",
+        "text_lr_scale": 0.1,
+        "fusion_direction": "bidirectional",
+    },
+    "mm_hier_stem_stage1_bidirectional": {
+        "config_overrides": "fusion_init=pytorch,vision_bridge_layers=[0,1]",
+        "text_lr_scale": 0.1,
+        "fusion_direction": "bidirectional",
     },
     "mm_hier_fixes_bidirectional": {
         "config_overrides": "fusion_init=pytorch",

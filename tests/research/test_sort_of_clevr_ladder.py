@@ -1,8 +1,8 @@
-"""scripts/benchmarks/sort_of_clevr_ladder.py: its questions, its accuracy count, and a tiny run of every contender."""
+"""scripts/research/sort_of_clevr_ladder.py: its questions, its accuracy count, and a tiny run of every contender."""
 
 import json
 
-import sort_of_clevr_ladder as ladder  # scripts/benchmarks is on sys.path (conftest.py)
+import sort_of_clevr_ladder as ladder  # scripts/research is on sys.path (conftest.py)
 import torch
 
 from mm_fusion.data.sort_of_clevr import answer_question, generate_scenes
