@@ -181,6 +181,7 @@ VARIANTS = (
     "mm_hier_one_layer_stem_read_like_read_head",
     "mm_hier_one_layer_stem_read_like_no_text_norm",
     "mm_hier_one_layer_stem_read_like_read_head_coordinates",
+    "mm_hier_one_layer_stem_read_like_read_head_sharp4",
     "mm_hier_one_layer_stem_read_like_relu_head",
     "mm_hier_one_layer_stem_read_like_head_no_norm",
     "mm_hier_one_layer_stem_read_like_unnormalised",
@@ -201,7 +202,9 @@ def build_split(scenes: list[list[dict]]) -> dict[str, torch.Tensor]:
         for c, colour in enumerate(COLOUR_NAMES)
     ]
     image, colour, family, answer = (torch.tensor(column) for column in zip(*rows))
+    centres = {(i, o["colour"]): (o["x"], o["y"]) for i, scene in enumerate(scenes) for o in scene}
     return {
+        "centre": torch.tensor([centres[i, COLOUR_NAMES[c]] for i, c, _, _ in rows], dtype=torch.float32),
         "images": torch.from_numpy(images / 255.0).permute(0, 3, 1, 2).contiguous(),
         "image": image,
         "colour": colour,
@@ -514,6 +517,7 @@ class MMFusion(nn.Module):
         read_head: bool = False,
         text_norm: bool = True,
         head: str = "mm",
+        attention_sharpness: float = 1.0,
         normalise: bool = True,
         **overrides,
     ):
@@ -552,6 +556,9 @@ class MMFusion(nn.Module):
             self.model.classifier = nn.Sequential(nn.Linear(width, 256), nn.ReLU(), nn.Linear(256, len(ANSWERS)))
         elif head == "mm_no_norm":  # mm_fusion's head without its inner LayerNorm: Linear, GELU, dropout, Linear
             self.model.classifier.norm = nn.Identity()
+        if attention_sharpness != 1.0:  # the text-to-image logits times this (1: d ** -0.5)
+            for layer in self.model.mm_fusion.encoder.layers:
+                layer.text_block.cross_attn.scaling *= attention_sharpness
         if not text_norm:  # no LayerNorm on the fused text stream before it is pooled
             self.model.mm_fusion.encoder.text_norm = nn.Identity()
         # Without `normalise`, the pixels in [0, 1] as the hand-written contenders see them, not ImageNet-normalised.
@@ -564,6 +571,15 @@ class MMFusion(nn.Module):
 
     def forward(self, images, question):
         return self.model(pixel_values=(images - self.mean) / self.std, input_ids=question_ids(question)).logits
+
+    def attention_maps(self, images, question) -> torch.Tensor | None:
+        """The text-to-image attention per fusion layer (N, layers, h, w), or None for a late model."""
+        if self.model.config.fusion_type == "late":
+            return None
+        from mm_fusion.image_maps import image_maps
+
+        pixel_values, input_ids = (images - self.mean) / self.std, question_ids(question)
+        return image_maps(self.model, pixel_values, input_ids, method="attention").maps
 
 
 # The late model with FiLM and the flattened tokens (the closest mm_fusion gets to `film_resnet`), and the four fixes
@@ -671,6 +687,14 @@ MM_HIERARCHICAL = {
         "text_lr_scale": 0.1,
         "image_norms": False,
         "read_head": True,
+    },
+    "mm_hier_one_layer_stem_read_like_read_head_sharp4": {
+        "config_overrides": "fusion_init=pytorch,num_fusion_layers=1,vision_bridge_layers=[0],text_bridge_layers=[2],"
+        "joint_pooling=text",
+        "text_lr_scale": 0.1,
+        "image_norms": False,
+        "read_head": True,
+        "attention_sharpness": 4.0,
     },
     "mm_hier_one_layer_stem_read_like_relu_head": {
         "config_overrides": "fusion_init=pytorch,num_fusion_layers=1,vision_bridge_layers=[0],text_bridge_layers=[2],"
@@ -781,6 +805,7 @@ def evaluate(model: nn.Module, test: dict) -> dict[str, float]:
             test["images"][test["image"][rows]], one_hot_question(test["colour"][rows], test["family"][rows])
         )
         correct.append(logits.argmax(-1) == test["answer"][rows])
+    on_object = attention_on_object(model, test) if hasattr(model, "attention_maps") else None
     model.train()
     correct = torch.cat(correct).float()
     result = {family: round(correct[test["family"] == f].mean().item(), 4) for f, family in enumerate(FAMILIES)}
@@ -788,7 +813,32 @@ def evaluate(model: nn.Module, test: dict) -> dict[str, float]:
         "non_relational": [result[f] for f in NON_RELATIONAL],
         "relational": [result[f] for f in FAMILIES if f not in NON_RELATIONAL],
     }
-    return {kind: round(sum(v) / len(v), 4) for kind, v in by_type.items()} | result
+    accuracy = {kind: round(sum(v) / len(v), 4) for kind, v in by_type.items()} | result
+    return accuracy if on_object is None else accuracy | {"on_object": on_object}
+
+
+def attention_on_object(model: nn.Module, test: dict, count: int = 600) -> float | None:
+    """The share of the last fusion layer's text-to-image attention (heads and text tokens averaged) on the cells of
+    the named object's square, over the first `count` non-relational questions: near its area's share of the image
+    (about 2.5%) when the model answers without finding the object."""
+    rows = torch.nonzero(torch.isin(test["family"], torch.tensor([FAMILIES.index(f) for f in NON_RELATIONAL])))[
+        :count, 0
+    ]
+    with torch.no_grad():
+        maps = model.attention_maps(
+            test["images"][test["image"][rows]], one_hot_question(test["colour"][rows], test["family"][rows])
+        )
+    if maps is None:  # a late model: no cross-attention
+        return None
+    maps = maps[:, -1]  # (N, h, w)
+    height, width = maps.shape[-2:]
+    ys = (torch.arange(height) + 0.5) * IMAGE_SIZE / height
+    xs = (torch.arange(width) + 0.5) * IMAGE_SIZE / width
+    centre = test["centre"][rows]
+    inside_x = (xs[None, :] - centre[:, :1]).abs() <= OBJECT_SIZE / 2
+    inside_y = (ys[None, :] - centre[:, 1:]).abs() <= OBJECT_SIZE / 2
+    inside = inside_y[:, :, None] & inside_x[:, None, :]
+    return round((maps * inside).sum((1, 2)).mean().item(), 4)
 
 
 def train_variant(name: str, train: dict, test: dict, args) -> dict:

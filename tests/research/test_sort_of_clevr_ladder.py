@@ -73,3 +73,44 @@ def test_colour_probe_reads_the_colour_off_the_stem_and_less_off_the_last_stage(
     assert list(probe) == ["two convs (16 x 16)", "ResNet stem (16 x 16)", "ResNet stage 1 (16 x 16)",
                            "ResNet stage 2 (8 x 8)", "ResNet stage 3 (4 x 4)"]  # fmt: skip
     assert probe["ResNet stem (16 x 16)"] >= 0.9 > probe["ResNet stage 3 (4 x 4)"]
+
+
+class FixedMaps(torch.nn.Module):
+    """Answers nothing; its text-to-image attention is the map it is given (one layer)."""
+
+    def __init__(self, maps):
+        super().__init__()
+        self.maps = maps
+
+    def forward(self, images, question):
+        return torch.zeros(len(question), len(ladder.ANSWERS))
+
+    def attention_maps(self, images, question):
+        return self.maps[: len(question)]
+
+
+def test_attention_on_object_is_one_on_the_named_object_and_its_area_when_uniform():
+    drawn = scenes(20)
+    split = ladder.build_split(drawn)
+    named = torch.isin(split["family"], torch.tensor([ladder.FAMILIES.index(f) for f in ladder.NON_RELATIONAL]))
+    rows = torch.nonzero(named)[:600, 0]
+    for row in rows[:5]:  # the centre is the named object's, from the scene
+        image, colour = int(split["image"][row]), ladder.COLOUR_NAMES[int(split["colour"][row])]
+        (drawn_object,) = [o for o in drawn[image] if o["colour"] == colour]
+        assert split["centre"][row].tolist() == [drawn_object["x"], drawn_object["y"]]
+    centre = split["centre"][rows]
+    on = torch.zeros(len(rows), 1, 16, 16)
+    on[torch.arange(len(rows)), 0, (centre[:, 1] // 4).long(), (centre[:, 0] // 4).long()] = 1.0
+    assert ladder.attention_on_object(FixedMaps(on), split) == 1.0
+    # All of it on another colour's object: none on the named one (objects do not overlap).
+    other = torch.zeros_like(on)
+    for k, row in enumerate(rows):
+        image, colour = int(split["image"][row]), ladder.COLOUR_NAMES[int(split["colour"][row])]
+        x, y = next((o["x"], o["y"]) for o in drawn[image] if o["colour"] != colour)
+        other[k, 0, int(y // 4), int(x // 4)] = 1.0
+    assert ladder.attention_on_object(FixedMaps(other), split) == 0.0
+    uniform = ladder.attention_on_object(FixedMaps(torch.full((len(rows), 1, 16, 16), 1 / 256)), split)
+    assert 0.02 < uniform < 0.04  # about a 10 px square's share of 64 x 64 (2.4%), cells counted whole
+    assert "on_object" in ladder.evaluate(FixedMaps(on), split) and "on_object" not in ladder.evaluate(
+        AlwaysYes(), split
+    )
