@@ -50,9 +50,13 @@ Contenders (`--variants`):
   head in place of mm_fusion's and no LayerNorm on the pooled text (`_read_head`), no LayerNorm on the pooled text
   alone (`_no_text_norm`), pixels in [0, 1] (`_unnormalised`), the pooled text's LayerNorm kept with the read's ReLU
   MLP (`_relu_head`) or with mm_fusion's head less its inner LayerNorm (`_head_no_norm`), `_read_head` with (x, y)
-  coordinate channels in place of sine positions (`_read_head_coordinates`)); the image stream attending to the
-  question too (`mm_hier_one_layer_stem_bidirectional`, `mm_hier_stem_stage1_bidirectional`: co-attention, the
-  config's default direction, with mm_fusion's norms, head and joint vector).
+  coordinate channels in place of sine positions (`_read_head_coordinates`), with the text-to-image logits four times
+  sharper (`_read_head_sharp4`), without the text bridge's LayerNorm (`_read_head_no_text_bridge_norm`) or the image
+  bridge's linear map after the tokens' 1x1 projection (`_read_head_no_image_bridge`; and in the model as the library
+  builds it, `mm_hier_one_layer_stem_no_image_bridge`; with mm_fusion's head, `_read_like_no_image_bridge`)); the
+  image stream attending to the question too (`mm_hier_one_layer_stem_bidirectional`,
+  `mm_hier_stem_stage1_bidirectional`: co-attention, the config's default direction, with mm_fusion's norms, head and
+  joint vector).
 - `mm_fusion`: the Sort-of-CLEVR recipe's model (ResNet tower, hierarchical fusion, width 96, 2-layer BERT).
 - `mm_fusion_std01`: the same with `initializer_range=0.1` (fusion block and text tower).
 - `mm_fusion_film`: the recipe's model with `vision_film=True` (every ResNet stage scaled and shifted by a linear map
@@ -83,6 +87,9 @@ Contenders (`--variants`):
   the image tokens before the cross-attention as well.
 - `mm_fusion_no_image_norms`: the recipe's model with the LayerNorms on the image tokens before the cross-attention
   (the bridges' and the context's) removed, so that object cells keep a larger norm than the background.
+
+Every evaluation of a model with cross-attention also gives `on_object`: the share of its (last layer's)
+text-to-image attention on the named object's square, over 600 non-relational questions (about 0.03 when uniform).
 
 Writes `results/sort_of_clevr_ladder_runs.json` (every evaluation), `.md` (the table of the last evaluations) and
 `.png` (the learning curves of the left / right question).
@@ -182,10 +189,14 @@ VARIANTS = (
     "mm_hier_one_layer_stem_read_like_no_text_norm",
     "mm_hier_one_layer_stem_read_like_read_head_coordinates",
     "mm_hier_one_layer_stem_read_like_read_head_sharp4",
+    "mm_hier_one_layer_stem_read_like_read_head_no_text_bridge_norm",
+    "mm_hier_one_layer_stem_read_like_read_head_no_image_bridge",
+    "mm_hier_one_layer_stem_read_like_no_image_bridge",
     "mm_hier_one_layer_stem_read_like_relu_head",
     "mm_hier_one_layer_stem_read_like_head_no_norm",
     "mm_hier_one_layer_stem_read_like_unnormalised",
     "mm_hier_one_layer_stem",
+    "mm_hier_one_layer_stem_no_image_bridge",
     "mm_hier_one_layer_stem_bidirectional",
     "mm_hier_stem_stage1_bidirectional",
     "mm_hier_fixes_bidirectional",
@@ -476,6 +487,14 @@ class AttentionRead(nn.Module):
     def param_groups(self, lr: float) -> list[dict]:
         return text_tower_groups(self, self.text, lr, self.text_lr_scale)
 
+    def attention_maps(self, images, question) -> torch.Tensor | None:
+        """The read's attention over the cells (N, 1, h, w), as mm_fusion's `image_maps` gives its own; None for the
+        `mm_block` readouts (their attention is inside mm_fusion's layer)."""
+        if self.readout.startswith("mm_block"):
+            return None
+        self(images, question)
+        return self.last_weights
+
     def forward(self, images, question):
         maps = self.tower(images)
         batch, _, height, width = maps.shape
@@ -496,6 +515,7 @@ class AttentionRead(nn.Module):
         heads, size = self.heads, q.shape[-1] // self.heads
         q, k, v = (x.view(batch, -1, heads, size).transpose(1, 2) for x in (q, k, v))  # (B, heads, n, size)
         weights = (q @ k.transpose(-1, -2) / size**0.5).softmax(-1)
+        self.last_weights = weights.mean((1, 2)).view(batch, 1, height, width)  # heads and queries averaged
         read = (weights @ v).transpose(1, 2).reshape(batch, tokens.shape[1], -1)  # (B, queries, width)
         if self.readout == "residual_mean":
             return self.mlp((tokens + self.out(read)).mean(1))
@@ -518,6 +538,8 @@ class MMFusion(nn.Module):
         text_norm: bool = True,
         head: str = "mm",
         attention_sharpness: float = 1.0,
+        text_bridge_norm: bool = True,
+        image_bridge: bool = True,
         normalise: bool = True,
         **overrides,
     ):
@@ -556,6 +578,14 @@ class MMFusion(nn.Module):
             self.model.classifier = nn.Sequential(nn.Linear(width, 256), nn.ReLU(), nn.Linear(256, len(ANSWERS)))
         elif head == "mm_no_norm":  # mm_fusion's head without its inner LayerNorm: Linear, GELU, dropout, Linear
             self.model.classifier.norm = nn.Identity()
+        if not text_bridge_norm:  # the text tower's tokens enter the fusion without the bridge's LayerNorm
+            self.model.mm_fusion.encoder.text_bridge_norms = nn.ModuleList(
+                nn.Identity() for _ in self.model.mm_fusion.encoder.text_bridge_norms
+            )
+        if not image_bridge:  # the image tokens (1x1 projection plus positions) enter without the bridge's linear map
+            self.model.mm_fusion.encoder.image_bridges = nn.ModuleList(
+                nn.Identity() for _ in self.model.mm_fusion.encoder.image_bridges
+            )
         if attention_sharpness != 1.0:  # the text-to-image logits times this (1: d ** -0.5)
             for layer in self.model.mm_fusion.encoder.layers:
                 layer.text_block.cross_attn.scaling *= attention_sharpness
@@ -696,6 +726,29 @@ MM_HIERARCHICAL = {
         "read_head": True,
         "attention_sharpness": 4.0,
     },
+    "mm_hier_one_layer_stem_read_like_read_head_no_text_bridge_norm": {
+        "config_overrides": "fusion_init=pytorch,num_fusion_layers=1,vision_bridge_layers=[0],text_bridge_layers=[2],"
+        "joint_pooling=text",
+        "text_lr_scale": 0.1,
+        "image_norms": False,
+        "read_head": True,
+        "text_bridge_norm": False,
+    },
+    "mm_hier_one_layer_stem_read_like_read_head_no_image_bridge": {
+        "config_overrides": "fusion_init=pytorch,num_fusion_layers=1,vision_bridge_layers=[0],text_bridge_layers=[2],"
+        "joint_pooling=text",
+        "text_lr_scale": 0.1,
+        "image_norms": False,
+        "read_head": True,
+        "image_bridge": False,
+    },
+    "mm_hier_one_layer_stem_read_like_no_image_bridge": {
+        "config_overrides": "fusion_init=pytorch,num_fusion_layers=1,vision_bridge_layers=[0],text_bridge_layers=[2],"
+        "joint_pooling=text",
+        "text_lr_scale": 0.1,
+        "image_norms": False,
+        "image_bridge": False,
+    },
     "mm_hier_one_layer_stem_read_like_relu_head": {
         "config_overrides": "fusion_init=pytorch,num_fusion_layers=1,vision_bridge_layers=[0],text_bridge_layers=[2],"
         "joint_pooling=text",
@@ -733,6 +786,13 @@ MM_HIERARCHICAL = {
         "config_overrides": "fusion_init=pytorch,vision_bridge_layers=[0,1]",
         "text_lr_scale": 0.1,
         "fusion_direction": "bidirectional",
+    },
+    # mm_fusion's one-layer stem model as the library builds it (its norms, head and joint vector), without the image
+    # bridge's linear map after the tokens' 1x1 projection.
+    "mm_hier_one_layer_stem_no_image_bridge": {
+        "config_overrides": "fusion_init=pytorch,num_fusion_layers=1,vision_bridge_layers=[0],text_bridge_layers=[2]",
+        "text_lr_scale": 0.1,
+        "image_bridge": False,
     },
     "mm_hier_fixes_bidirectional": {
         "config_overrides": "fusion_init=pytorch",
