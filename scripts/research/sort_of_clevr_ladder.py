@@ -570,27 +570,22 @@ class MMFusion(nn.Module):
             for layer in encoder.layers:
                 layer.text_block.context_norm = nn.Identity()
         if read_head:  # the read's head: no LayerNorm on the pooled text, a ReLU MLP without LayerNorm
-            self.model.mm_fusion.encoder.text_norm = nn.Identity()
-            width = config.fusion_hidden_size * {"text": 1, "concat": 2, "concat_product": 3}[config.joint_pooling]
-            self.model.classifier = nn.Sequential(nn.Linear(width, 256), nn.ReLU(), nn.Linear(256, len(ANSWERS)))
-        if head == "relu_mlp":  # the read's ReLU MLP in place of mm_fusion's head (the pooled text's LayerNorm kept)
+            head, text_norm = "relu_mlp", False
+        if head == "relu_mlp":  # the read's ReLU MLP in place of mm_fusion's head
             width = config.fusion_hidden_size * {"text": 1, "concat": 2, "concat_product": 3}[config.joint_pooling]
             self.model.classifier = nn.Sequential(nn.Linear(width, 256), nn.ReLU(), nn.Linear(256, len(ANSWERS)))
         elif head == "mm_no_norm":  # mm_fusion's head without its inner LayerNorm: Linear, GELU, dropout, Linear
             self.model.classifier.norm = nn.Identity()
+        encoder = self.model.mm_fusion.encoder
         if not text_bridge_norm:  # the text tower's tokens enter the fusion without the bridge's LayerNorm
-            self.model.mm_fusion.encoder.text_bridge_norms = nn.ModuleList(
-                nn.Identity() for _ in self.model.mm_fusion.encoder.text_bridge_norms
-            )
+            encoder.text_bridge_norms = nn.ModuleList(nn.Identity() for _ in encoder.text_bridge_norms)
         if not image_bridge:  # the image tokens (1x1 projection plus positions) enter without the bridge's linear map
-            self.model.mm_fusion.encoder.image_bridges = nn.ModuleList(
-                nn.Identity() for _ in self.model.mm_fusion.encoder.image_bridges
-            )
+            encoder.image_bridges = nn.ModuleList(nn.Identity() for _ in encoder.image_bridges)
         if attention_sharpness != 1.0:  # the text-to-image logits times this (1: d ** -0.5)
-            for layer in self.model.mm_fusion.encoder.layers:
+            for layer in encoder.layers:
                 layer.text_block.cross_attn.scaling *= attention_sharpness
         if not text_norm:  # no LayerNorm on the fused text stream before it is pooled
-            self.model.mm_fusion.encoder.text_norm = nn.Identity()
+            encoder.text_norm = nn.Identity()
         # Without `normalise`, the pixels in [0, 1] as the hand-written contenders see them, not ImageNet-normalised.
         self.register_buffer("mean", torch.tensor(config.image_mean if normalise else [0.0] * 3).view(1, 3, 1, 1))
         self.register_buffer("std", torch.tensor(config.image_std if normalise else [1.0] * 3).view(1, 3, 1, 1))
