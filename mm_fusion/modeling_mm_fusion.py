@@ -526,7 +526,8 @@ class MMFusionEncoder(nn.Module):
     """
     The co-attention stack. With `"hierarchical"` fusion, layer k's input is bridged with tower layer
     `*_bridge_layers[k]`: `x_k = LayerNorm(x_{k-1} + Linear(tower_hidden_k))`; with `"cross_attention"` only the
-    towers' final features enter, before the first layer.
+    towers' final features enter, before the first layer. A feature-map tower's tokens, already projected to the
+    fusion width, enter without the `Linear` when `config.feature_map_bridge` is off.
     """
 
     def __init__(self, config: MMFusionConfig):
@@ -536,8 +537,11 @@ class MMFusionEncoder(nn.Module):
         self.text_bridges = nn.ModuleList(
             nn.Linear(config.text_config.hidden_size, hidden_size) for _ in range(num_bridges)
         )
+        # A feature-map tower's tokens are already a linear map to the fusion width (its 1x1 projection).
+        projected = config.vision_tower_type != "transformer" and not config.feature_map_bridge
         self.image_bridges = nn.ModuleList(
-            nn.Linear(config.vision_hidden_size, hidden_size) for _ in range(num_bridges)
+            nn.Identity() if projected else nn.Linear(config.vision_hidden_size, hidden_size)
+            for _ in range(num_bridges)
         )
         self.text_bridge_norms = nn.ModuleList(nn.LayerNorm(hidden_size, eps=eps) for _ in range(num_bridges))
         self.image_bridge_norms = nn.ModuleList(nn.LayerNorm(hidden_size, eps=eps) for _ in range(num_bridges))

@@ -183,7 +183,9 @@ def test_finetuning_from_a_pretraining_checkpoint_starts_from_its_towers(tmp_pat
     assert config["architectures"] == ["MMFusionForImageTextClassification"] and len(config["id2label"]) == 10
 
 
-@pytest.mark.parametrize("name", ["sort_of_clevr", "sort_of_clevr_pretrain", "sort_of_clevr_short"])
+@pytest.mark.parametrize(
+    "name", ["sort_of_clevr", "sort_of_clevr_hierarchical", "sort_of_clevr_pretrain", "sort_of_clevr_short"]
+)
 def test_shipped_recipes_parse(name):
     model_args, data_args, training_args = MMFusionArgumentParser().parse_args_and_config(
         [str(ROOT / "scripts" / "configs" / f"{name}.yaml")]
@@ -192,3 +194,18 @@ def test_shipped_recipes_parse(name):
     assert model_args.task == ("pretrain" if name.endswith("pretrain") else "vqa")
     if name.endswith("pretrain"):
         assert training_args.gradient_accumulation_steps == 4 and training_args.itc_grad_cache
+
+
+def test_hierarchical_recipe_launches_the_model_it_describes(tmp_path):
+    """scripts/configs/sort_of_clevr_hierarchical.yaml, on a few images for two steps: one text-to-image layer reading
+    the ResNet's stem tokens (no second linear map after their projection), the head on the text stream alone."""
+    recipe = str(ROOT / "scripts" / "configs" / "sort_of_clevr_hierarchical.yaml")
+    flags = ["--dataset_options", "num_train_images=16,num_test_images=4,seed=5", "--max_steps", "2"]
+    trainer = setup_run([recipe, *flags, "--output_dir", str(tmp_path), "--disable_tqdm", "True"])
+    train_and_save(trainer)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["fusion_type"] == "hierarchical" and config["fusion_direction"] == "text_to_image"
+    assert config["num_fusion_layers"] == 1 and config["vision_bridge_layers"] == [0]
+    assert config["joint_pooling"] == "text" and config["feature_map_bridge"] is False
+    assert config["vision_config"]["model_type"] == "resnet" and not config["vision_film"]
+    assert trainer.state.global_step == 2

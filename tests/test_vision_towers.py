@@ -113,6 +113,31 @@ def test_hierarchical_fusion_reads_stages_on_the_finest_grid(tester):
     torch.testing.assert_close(encoded.image_embeds, expected)
 
 
+def test_feature_map_tokens_can_enter_the_fusion_without_a_second_linear_map(tester, tmp_path):
+    """`feature_map_bridge=False`: a feature-map tower's tokens, already projected to the fusion width, enter the
+    fusion without the image bridge's Linear, and save and reload so. By default, and for a transformer tower always,
+    the bridge is there."""
+    config = tower_config(tester, "resnet", feature_map_bridge=False)
+    model = MMFusionForImageTextClassification(config).eval()
+    bridges = model.mm_fusion.encoder.image_bridges
+    assert len(bridges) == 2 and all(isinstance(b, torch.nn.Identity) for b in bridges)
+    assert not any(".image_bridges." in name for name in model.state_dict())
+    base, inputs = model.mm_fusion, tester.inputs()
+    with torch.no_grad():
+        encoded = base.encode(**inputs)
+        out = base(**inputs, output_hidden_states=True)
+        encoder = base.encoder
+        first = encoder.image_bridge_norms[0](encoded.image_features[0] + encoder.modality_embeddings.weight[1])
+    torch.testing.assert_close(out.fusion_image_hidden_states[0], first)
+    model.save_pretrained(tmp_path)
+    reloaded, info = MMFusionForImageTextClassification.from_pretrained(tmp_path, output_loading_info=True)
+    assert reloaded.config.feature_map_bridge is False and not any(info.values()), info
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded.eval()(**inputs).logits, model(**inputs).logits)
+    for default in (tower_config(tester, "resnet"), tester.config(feature_map_bridge=False)):
+        assert all(isinstance(b, torch.nn.Linear) for b in MMFusionModel(default).encoder.image_bridges)
+
+
 def test_flatten_image_pooling_keeps_where_features_are(tester):
     """image_pooling="flatten": the image vector of late fusion is every token in order, projected; moving a feature
     to another cell changes it, where the mean would not."""

@@ -32,6 +32,7 @@ from mm_fusion.training import parse_overrides
 MAIN = "scripts/configs/sort_of_clevr.yaml"
 SHORT = "scripts/configs/sort_of_clevr_short.yaml"
 PRETRAIN = "scripts/configs/sort_of_clevr_pretrain.yaml"
+HIERARCHICAL = "scripts/configs/sort_of_clevr_hierarchical.yaml"
 # The main recipe's `config_overrides` without FiLM: the same tower, flattened image and head, the question only in
 # the head (the Relation Network paper's CNN+MLP baseline).
 LATE_OVERRIDES = "image_pooling=flatten,vision_position_embedding=none,fusion_init=pytorch"
@@ -40,6 +41,11 @@ RUNS = {
     "film": ([MAIN], "the main recipe: the ResNet tower conditioned on the question by FiLM, late head"),
     "film_seed_1": ([MAIN, "--seed", "1"], "the main recipe, another initialisation and batch order"),
     "late": ([MAIN, "--config_overrides", LATE_OVERRIDES], "late fusion (no FiLM): the question only in the head"),
+    "hierarchical": (
+        [HIERARCHICAL],
+        "mm_fusion's cross-attention, no FiLM: the question reads the ResNet's stem tokens, the head the text stream",
+    ),
+    "hierarchical_seed_1": ([HIERARCHICAL, "--seed", "1"], "the hierarchical recipe, another initialisation"),
     # The ablations at half the budget (6 epochs): what they can learn they learn early, and the machine is shared.
     "image_only": ([MAIN, "--ablation", "image_only", *HALF], "questions blanked: the image alone, 6 epochs"),
     "text_only": ([MAIN, "--ablation", "text_only", *HALF], "images blanked: the question alone, 6 epochs"),

@@ -56,7 +56,10 @@ Contenders (`--variants`):
   builds it, `mm_hier_one_layer_stem_no_image_bridge`; with mm_fusion's head, `_read_like_no_image_bridge`)); the
   image stream attending to the question too (`mm_hier_one_layer_stem_bidirectional`,
   `mm_hier_stem_stage1_bidirectional`: co-attention, the config's default direction, with mm_fusion's norms, head and
-  joint vector).
+  joint vector); without the bridge, also without the image LayerNorms (`_no_image_bridge_no_image_norms`) or with
+  the text stream alone as the joint vector (`_no_image_bridge_joint_text`); `mm_hier_one_layer_stem_recipe`, the
+  model of `scripts/configs/sort_of_clevr_hierarchical.yaml` through the library's options (`feature_map_bridge=False`,
+  `joint_pooling="text"`).
 - `mm_fusion`: the Sort-of-CLEVR recipe's model (ResNet tower, hierarchical fusion, width 96, 2-layer BERT).
 - `mm_fusion_std01`: the same with `initializer_range=0.1` (fusion block and text tower).
 - `mm_fusion_film`: the recipe's model with `vision_film=True` (every ResNet stage scaled and shifted by a linear map
@@ -197,6 +200,9 @@ VARIANTS = (
     "mm_hier_one_layer_stem_read_like_unnormalised",
     "mm_hier_one_layer_stem",
     "mm_hier_one_layer_stem_no_image_bridge",
+    "mm_hier_one_layer_stem_no_image_bridge_no_image_norms",
+    "mm_hier_one_layer_stem_no_image_bridge_joint_text",
+    "mm_hier_one_layer_stem_recipe",
     "mm_hier_one_layer_stem_bidirectional",
     "mm_hier_stem_stage1_bidirectional",
     "mm_hier_fixes_bidirectional",
@@ -793,6 +799,27 @@ MM_HIERARCHICAL = {
         "config_overrides": "fusion_init=pytorch",
         "text_lr_scale": 0.1,
         "fusion_direction": "bidirectional",
+    },
+    # Which of the library model's other differences keeps its attention off the object once the bridge is gone: its
+    # LayerNorms on the image tokens (taken out), or the pooled image stream in its joint vector (the text alone).
+    "mm_hier_one_layer_stem_no_image_bridge_no_image_norms": {
+        "config_overrides": "fusion_init=pytorch,num_fusion_layers=1,vision_bridge_layers=[0],text_bridge_layers=[2]",
+        "text_lr_scale": 0.1,
+        "image_bridge": False,
+        "image_norms": False,
+    },
+    "mm_hier_one_layer_stem_no_image_bridge_joint_text": {
+        "config_overrides": "fusion_init=pytorch,num_fusion_layers=1,vision_bridge_layers=[0],text_bridge_layers=[2],"
+        "joint_pooling=text",
+        "text_lr_scale": 0.1,
+        "image_bridge": False,
+    },
+    # The model of scripts/configs/sort_of_clevr_hierarchical.yaml through the library's options (point 24): no bridge
+    # after the tokens' projection (`feature_map_bridge=False`), the text stream alone as the joint vector.
+    "mm_hier_one_layer_stem_recipe": {
+        "config_overrides": "fusion_init=pytorch,num_fusion_layers=1,vision_bridge_layers=[0],text_bridge_layers=[2],"
+        "joint_pooling=text,feature_map_bridge=false",
+        "text_lr_scale": 0.1,
     },
 }
 
