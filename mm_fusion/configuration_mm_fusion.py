@@ -153,11 +153,9 @@ class MMFusionConfig(PretrainedConfig):
             element-wise product too (the multiplicative interaction late fusion always has), which gives the head the
             agreement of the two streams directly instead of leaving it to learn it. `scripts/train.py` uses
             `"concat_product"`. `"text"`: the pooled text stream alone, the text after it has read the image, so that
-            the image reaches the head only through the cross-attention. With `fusion_direction="text_to_image"` the
-            image stream does not depend on the text, and the pooled image beside the text is a late-fusion path: on
-            Sort-of-CLEVR's positional questions it kept the attention off the named object, where `"text"` did not
-            (`scripts/research/results/sort_of_clevr_ladder.md`), while on easy-VQA `"text"` learned less in the
-            default run's 6 epochs.
+            the image reaches the head only through the cross-attention (with `fusion_direction="text_to_image"` the
+            image stream does not depend on the text, so the pooled image beside it is a late-fusion path; see
+            `scripts/research/results/sort_of_clevr_ladder.md` for when that matters).
         projection_dim (`int`, *optional*, defaults to 256):
             Width of the image/text embeddings used by contrastive learning and late fusion.
         logit_scale_init_value (`float`, *optional*, defaults to 2.6592):
@@ -183,11 +181,8 @@ class MMFusionConfig(PretrainedConfig):
         feature_map_bridge (`bool`, *optional*, defaults to `True`):
             Whether a backbone / convolutional tower's tokens pass through the fusion's image bridge (a linear map to
             `fusion_hidden_size`) after their own 1x1 projection to that width. `False` feeds them to the fusion as
-            projected (plus positions): on Sort-of-CLEVR the second linear map in a row kept the cross-attention off
-            the object a question names, and without it the attention found the object
-            (`scripts/research/results/sort_of_clevr_ladder.md`); on easy-VQA's default run it cost a little
-            accuracy (0.9982 against 0.9989 over five seeds), so it is not the default. Transformer towers always have
-            their bridge.
+            projected (plus positions), as the Sort-of-CLEVR cross-attention recipe does
+            (`scripts/research/results/sort_of_clevr_ladder.md`). Transformer towers always have their bridge.
         vision_position_embedding (`str`, *optional*, defaults to `"sine"`):
             How the tokens of a backbone / convolutional tower know where they are: `"sine"` (fixed 2-D sine
             embeddings added after the 1x1 projection to `fusion_hidden_size`), `"coordinates"` ((x, y) channels
