@@ -186,8 +186,10 @@ class MMFusionConfig(PretrainedConfig):
         vision_position_embedding (`str`, *optional*, defaults to `"sine"`):
             How the tokens of a backbone / convolutional tower know where they are: `"sine"` (fixed 2-D sine
             embeddings added after the 1x1 projection to `fusion_hidden_size`), `"coordinates"` ((x, y) channels
-            appended to the feature map before it), `"sine_coordinates"` (both) or `"none"`. Transformer towers keep
-            their own position embeddings.
+            appended to the feature map before it), `"sine_coordinates"` (both), `"sine_attention"` (the same sine
+            embeddings, added inside the fusion after each LayerNorm that feeds an attention, to the keys and values
+            the text reads, so that no LayerNorm scales an object's position down beside its features; late fusion
+            has no attention to add them to) or `"none"`. Transformer towers keep their own position embeddings.
         vision_conv_stem (`list[int]`, *optional*):
             Widths of stride-2 3x3 convolutions (each with BatchNorm and ReLU) that replace the patch-embedding
             convolution of a transformer vision tower, followed by a convolution of the remaining stride to its width:

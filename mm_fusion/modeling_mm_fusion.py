@@ -472,13 +472,22 @@ class MMFusionStreamBlock(nn.Module):
         context_mask: torch.Tensor | None,
         context_index: torch.Tensor | None = None,
         output_attentions: bool = False,
+        positions: torch.Tensor | None = None,
+        context_positions: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """Returns the new states and the self- and cross-attention probabilities (`None` unless eager)."""
+        """
+        Returns the new states and the self- and cross-attention probabilities (`None` unless eager). `positions` /
+        `context_positions` (`(S, D)`, the image tokens' with `vision_position_embedding="sine_attention"`) are added
+        to this stream's / the context's tokens after the LayerNorms that feed the attentions.
+        """
         x = self.self_attn_norm(hidden_states)
+        x = x + positions if positions is not None else x
         attn_out, self_weights = self.self_attn(x, x, self_mask, output_attentions=output_attentions)
         hidden_states = hidden_states + self.dropout(attn_out)
         x = self.cross_attn_norm(hidden_states)
+        x = x + positions if positions is not None else x
         context = self.context_norm(context)
+        context = context + context_positions if context_positions is not None else context
         attn_out, cross_weights = self.cross_attn(
             x, context, context_mask, context_index, output_attentions=output_attentions
         )
@@ -506,18 +515,30 @@ class MMFusionCoAttentionLayer(GradientCheckpointingLayer):
         text_mask: torch.Tensor | None,
         image_index: torch.Tensor | None = None,
         output_attentions: bool = False,
+        image_positions: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, ...]:
         """
         Returns the new text and image states, then the attention probabilities (`None` unless eager, and the image
         stream's always `None` with `"text_to_image"`): text self, text-to-image, image self, image-to-text.
         """
         text_out, text_self, text_to_image = self.text_block(
-            text_states, image_states, text_mask, None, context_index=image_index, output_attentions=output_attentions
+            text_states,
+            image_states,
+            text_mask,
+            None,
+            context_index=image_index,
+            output_attentions=output_attentions,
+            context_positions=image_positions,
         )
         if self.image_block is None:
             return text_out, image_states, text_self, text_to_image, None, None
         image_out, image_self, image_to_text = self.image_block(
-            image_states, text_states, self_mask=None, context_mask=text_mask, output_attentions=output_attentions
+            image_states,
+            text_states,
+            self_mask=None,
+            context_mask=text_mask,
+            output_attentions=output_attentions,
+            positions=image_positions,
         )
         return text_out, image_out, text_self, text_to_image, image_self, image_to_text
 
@@ -558,8 +579,12 @@ class MMFusionEncoder(nn.Module):
         image_index: torch.Tensor | None = None,
         output_attentions: bool = False,
         output_hidden_states: bool = False,
+        image_positions: torch.Tensor | None = None,
     ) -> MMFusionEncoderOutput:
-        """`image_index` (text_to_image only): each text's row of the image features, which stay one per image."""
+        """
+        `image_index` (text_to_image only): each text's row of the image features, which stay one per image.
+        `image_positions` (`(S, D)`): added to the image tokens after each LayerNorm that feeds an attention.
+        """
         modality = self.modality_embeddings.weight
         text = self.text_bridge_norms[0](self.text_bridges[0](text_features[0]) + modality[0])
         image = self.image_bridge_norms[0](self.image_bridges[0](image_features[0]) + modality[1])
@@ -570,7 +595,14 @@ class MMFusionEncoder(nn.Module):
             if 0 < k < len(self.text_bridges):
                 text = self.text_bridge_norms[k](text + self.text_bridges[k](text_features[k]))
                 image = self.image_bridge_norms[k](image + self.image_bridges[k](image_features[k]))
-            text, image, *weights = layer(text, image, text_mask, image_index, output_attentions=output_attentions)
+            text, image, *weights = layer(
+                text,
+                image,
+                text_mask,
+                image_index,
+                output_attentions=output_attentions,
+                image_positions=image_positions,
+            )
             if output_hidden_states:
                 text_states.append(text)
                 image_states.append(image)
@@ -1065,6 +1097,7 @@ class MMFusionModel(MMFusionPreTrainedModel):
                 pooler_output=pooler_output,
             )
         index = image_index if shared else None
+        tokens = self.feature_map_tokens
         fused = self.encoder(
             text_features,
             image_features,
@@ -1072,6 +1105,7 @@ class MMFusionModel(MMFusionPreTrainedModel):
             index,
             output_attentions=output_attentions,
             output_hidden_states=output_hidden_states,
+            image_positions=tokens.attention_positions(image_features[-1]) if tokens is not None else None,
         )
         text_hidden, image_hidden = fused.text_hidden_state, fused.image_hidden_state
         image_states = fused.image_hidden_states

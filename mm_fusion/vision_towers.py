@@ -28,7 +28,7 @@ from transformers import AutoBackbone, AutoModel, PretrainedConfig
 from transformers.models.auto.modeling_auto import MODEL_FOR_BACKBONE_MAPPING, MODEL_MAPPING
 
 
-POSITION_EMBEDDINGS = ("sine", "coordinates", "sine_coordinates", "none")
+POSITION_EMBEDDINGS = ("sine", "coordinates", "sine_coordinates", "sine_attention", "none")
 
 
 def vision_tower_type(config: PretrainedConfig) -> str:
@@ -187,7 +187,9 @@ class MMFusionFeatureMapTokens(nn.Module):
     Feature maps to fusion tokens: per stage read, (x, y) coordinate channels appended (`"coordinates"`), a 1x1
     convolution to `width`, resized bilinearly to the finest grid among the stages read (hierarchical fusion adds
     each stage to the same token positions), flattened row-major to `(batch, height * width, width)`, plus fixed sine
-    positions (`"sine"`); `"sine_coordinates"` does both.
+    positions (`"sine"`); `"sine_coordinates"` does both. With `"sine_attention"` the tokens leave without positions
+    and the fusion adds the sine positions ([`attention_positions`]) after each of its LayerNorms that feeds an
+    attention, where no LayerNorm can scale them down.
     """
 
     def __init__(self, channels: list[int], width: int, position_embedding: str):
@@ -199,10 +201,12 @@ class MMFusionFeatureMapTokens(nn.Module):
             )
         self.coordinates = position_embedding in ("coordinates", "sine_coordinates")
         self.sine = position_embedding in ("sine", "sine_coordinates")
+        self.in_attention = position_embedding == "sine_attention"
         extra = 2 if self.coordinates else 0
         self.projections = nn.ModuleList(nn.Conv2d(c + extra, width, kernel_size=1) for c in channels)
         self.width = width
         self._positions: dict[tuple, torch.Tensor] = {}  # per grid, device and dtype: computed once
+        self._grids: dict[int, tuple[int, int]] = {}  # the grid each token count came from
 
     def _sine_positions(self, grid: tuple[int, int], like: torch.Tensor) -> torch.Tensor:
         key = (grid, like.device, like.dtype)
@@ -212,6 +216,7 @@ class MMFusionFeatureMapTokens(nn.Module):
 
     def forward(self, feature_maps: list[torch.Tensor]) -> list[torch.Tensor]:
         grid = max((tuple(f.shape[-2:]) for f in feature_maps), key=lambda size: size[0] * size[1])
+        self._grids[grid[0] * grid[1]] = grid
         positions = self._sine_positions(grid, feature_maps[0]) if self.sine else None
         tokens = []
         for projection, features in zip(self.projections, feature_maps):
@@ -223,6 +228,25 @@ class MMFusionFeatureMapTokens(nn.Module):
             sequence = projected.flatten(2).transpose(1, 2)
             tokens.append(sequence + positions if positions is not None else sequence)
         return tokens
+
+    def attention_positions(self, tokens: torch.Tensor) -> torch.Tensor | None:
+        """
+        With `"sine_attention"`, the `(P, width)` sine positions of `tokens` (`(M, P, width)`, made by this module:
+        their grid is the one `P` cells came from, or a square one); `None` otherwise.
+        """
+        if not self.in_attention:
+            return None
+        count = tokens.shape[1]
+        grid = self._grids.get(count)
+        if grid is None:
+            side = round(count**0.5)
+            if side * side != count:
+                raise ValueError(
+                    f"Image features of {count} tokens: not a square grid, and not a grid this model's tower made. "
+                    "Pass the features the model's own `encode_images` / `get_encodings` returned."
+                )
+            grid = (side, side)
+        return self._sine_positions(grid, tokens)
 
 
 class MMFusionConvStem(nn.Module):

@@ -207,5 +207,6 @@ def test_hierarchical_recipe_launches_the_model_it_describes(tmp_path):
     assert config["fusion_type"] == "hierarchical" and config["fusion_direction"] == "text_to_image"
     assert config["num_fusion_layers"] == 1 and config["vision_bridge_layers"] == [0]
     assert config["joint_pooling"] == "text" and config["feature_map_bridge"] is False
+    assert config["vision_position_embedding"] == "sine_attention"
     assert config["vision_config"]["model_type"] == "resnet" and not config["vision_film"]
     assert trainer.state.global_step == 2

@@ -138,6 +138,52 @@ def test_feature_map_tokens_can_enter_the_fusion_without_a_second_linear_map(tes
         assert all(isinstance(b, torch.nn.Linear) for b in MMFusionModel(default).encoder.image_bridges)
 
 
+@pytest.mark.parametrize("direction", ["text_to_image", "bidirectional"])
+def test_sine_attention_positions_are_added_after_the_fusion_layernorms(tester, tmp_path, direction):
+    """`vision_position_embedding="sine_attention"`: the tokens leave the tower without positions, and each attention
+    that reads the image gets the sine positions added after its LayerNorm (the keys / values the text reads; with
+    co-attention also the image stream's own attention inputs). It saves and reloads so, also on non-square grids."""
+    config = tower_config(tester, "resnet", fusion_direction=direction, vision_position_embedding="sine_attention")
+    model = MMFusionForImageTextClassification(config).eval()
+    plain = tower_config(tester, "resnet", fusion_direction=direction, vision_position_embedding="none")
+    unplaced = MMFusionForImageTextClassification(plain).eval()
+    unplaced.load_state_dict(model.state_dict())
+    base, inputs = model.mm_fusion, tester.inputs()
+    seen = {}
+
+    def keep(name):
+        return lambda module, args, kwargs: seen.__setitem__(name, (args, kwargs))
+
+    layer = base.encoder.layers[0]
+    layer.text_block.cross_attn.register_forward_pre_hook(keep("context"), with_kwargs=True)
+    if direction == "bidirectional":
+        layer.image_block.self_attn.register_forward_pre_hook(keep("image_self"), with_kwargs=True)
+    with torch.no_grad():
+        tokens = base.encode_images(inputs["pixel_values"])[1]
+        torch.testing.assert_close(tokens, unplaced.mm_fusion.encode_images(inputs["pixel_values"])[1])
+        out = base(**inputs, output_hidden_states=True)
+        logits = model(**inputs).logits
+        assert not torch.allclose(logits, unplaced(**inputs).logits, atol=1e-4)  # the positions reach the answer
+    positions = sine_positions(8, 8, 32)  # stage1's 8 x 8 cells at 30 px
+    image_in = out.fusion_image_hidden_states[0]  # the image stream entering layer 0, after its bridge
+    context = seen["context"][0][1]
+    torch.testing.assert_close(context, layer.text_block.context_norm(image_in) + positions)
+    if direction == "bidirectional":
+        torch.testing.assert_close(seen["image_self"][0][0], layer.image_block.self_attn_norm(image_in) + positions)
+    model.save_pretrained(tmp_path)
+    reloaded = MMFusionForImageTextClassification.from_pretrained(tmp_path).eval()
+    assert reloaded.config.vision_position_embedding == "sine_attention"
+    wide = {**inputs, "pixel_values": torch.randn(3, 3, 30, 46)}  # 8 x 12 cells
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(**inputs).logits, logits)
+        torch.testing.assert_close(reloaded(**wide).logits, model(**wide).logits)
+        wide_tokens = base.encode_images(wide["pixel_values"])[1][-1]
+    torch.testing.assert_close(base.feature_map_tokens.attention_positions(wide_tokens), sine_positions(8, 12, 32))
+    with pytest.raises(ValueError, match="12 tokens: not a square grid"):
+        MMFusionModel(config).feature_map_tokens.attention_positions(torch.zeros(1, 12, 32))
+    assert MMFusionModel(plain).feature_map_tokens.attention_positions(tokens[-1]) is None
+
+
 def test_flatten_image_pooling_keeps_where_features_are(tester):
     """image_pooling="flatten": the image vector of late fusion is every token in order, projected; moving a feature
     to another cell changes it, where the mean would not."""

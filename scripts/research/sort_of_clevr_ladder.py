@@ -59,7 +59,9 @@ Contenders (`--variants`):
   joint vector); without the bridge, also without the image LayerNorms (`_no_image_bridge_no_image_norms`) or with
   the text stream alone as the joint vector (`_no_image_bridge_joint_text`); `mm_hier_one_layer_stem_recipe`, the
   model of `scripts/configs/sort_of_clevr_hierarchical.yaml` through the library's options (`feature_map_bridge=False`,
-  `joint_pooling="text"`).
+  `joint_pooling="text"`); `_recipe_positions_after_norm`, that model with its tokens' sine positions added after the
+  cross-attention's context LayerNorm instead of before the LayerNorms (the library's
+  `vision_position_embedding="sine_attention"` computes the same), and `_recipe_read_head`, with the read's head.
 - `mm_fusion`: the Sort-of-CLEVR recipe's model (ResNet tower, hierarchical fusion, width 96, 2-layer BERT).
 - `mm_fusion_std01`: the same with `initializer_range=0.1` (fusion block and text tower).
 - `mm_fusion_film`: the recipe's model with `vision_film=True` (every ResNet stage scaled and shifted by a linear map
@@ -203,6 +205,9 @@ VARIANTS = (
     "mm_hier_one_layer_stem_no_image_bridge_no_image_norms",
     "mm_hier_one_layer_stem_no_image_bridge_joint_text",
     "mm_hier_one_layer_stem_recipe",
+    "mm_hier_one_layer_stem_recipe_positions_after_norm",
+    "mm_hier_one_layer_stem_recipe_read_head",
+    "mm_hier_two_layers_stem_sine_attention",
     "mm_hier_one_layer_stem_bidirectional",
     "mm_hier_stem_stage1_bidirectional",
     "mm_hier_fixes_bidirectional",
@@ -528,6 +533,18 @@ class AttentionRead(nn.Module):
         return self.mlp(torch.cat([read.mean(1), tokens.mean(1)], dim=1))
 
 
+class NormThenPositions(nn.Module):
+    """A LayerNorm on square grids of tokens, then their fixed sine positions (so the norm cannot scale them)."""
+
+    def __init__(self, norm: nn.Module):
+        super().__init__()
+        self.norm = norm
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        side = int(tokens.shape[1] ** 0.5)
+        return self.norm(tokens) + sine_positions(side, side, tokens.shape[-1]).to(tokens.dtype)
+
+
 class MMFusion(nn.Module):
     """The recipe's model; the question as token ids [CLS, colour, family] (no tokenizer)."""
 
@@ -547,6 +564,7 @@ class MMFusion(nn.Module):
         text_bridge_norm: bool = True,
         image_bridge: bool = True,
         normalise: bool = True,
+        context_positions: bool = False,
         **overrides,
     ):
         super().__init__()
@@ -590,6 +608,9 @@ class MMFusion(nn.Module):
         if attention_sharpness != 1.0:  # the text-to-image logits times this (1: d ** -0.5)
             for layer in encoder.layers:
                 layer.text_block.cross_attn.scaling *= attention_sharpness
+        if context_positions:  # the image tokens' sine positions added after the cross-attention's context LayerNorm
+            for layer in encoder.layers:
+                layer.text_block.context_norm = NormThenPositions(layer.text_block.context_norm)
         if not text_norm:  # no LayerNorm on the fused text stream before it is pooled
             encoder.text_norm = nn.Identity()
         # Without `normalise`, the pixels in [0, 1] as the hand-written contenders see them, not ImageNet-normalised.
@@ -820,6 +841,27 @@ MM_HIERARCHICAL = {
         "config_overrides": "fusion_init=pytorch,num_fusion_layers=1,vision_bridge_layers=[0],text_bridge_layers=[2],"
         "joint_pooling=text,feature_map_bridge=false",
         "text_lr_scale": 0.1,
+    },
+    # Position (issue 31, eighth session): the recipe's model with its tokens' sine positions added after the
+    # LayerNorms (before the cross-attention's keys and values) rather than before them; with the read's head.
+    "mm_hier_one_layer_stem_recipe_positions_after_norm": {
+        "config_overrides": "fusion_init=pytorch,num_fusion_layers=1,vision_bridge_layers=[0],text_bridge_layers=[2],"
+        "joint_pooling=text,feature_map_bridge=false,vision_position_embedding=none",
+        "text_lr_scale": 0.1,
+        "context_positions": True,
+    },
+    # Relations: a second text-to-image layer reading the stem again (the first finds the named object, the second
+    # can look from there), with the positions after the LayerNorms through the library's option.
+    "mm_hier_two_layers_stem_sine_attention": {
+        "config_overrides": "fusion_init=pytorch,num_fusion_layers=2,vision_bridge_layers=[0,0],"
+        "text_bridge_layers=[2,2],joint_pooling=text,feature_map_bridge=false,vision_position_embedding=sine_attention",
+        "text_lr_scale": 0.1,
+    },
+    "mm_hier_one_layer_stem_recipe_read_head": {
+        "config_overrides": "fusion_init=pytorch,num_fusion_layers=1,vision_bridge_layers=[0],text_bridge_layers=[2],"
+        "joint_pooling=text,feature_map_bridge=false",
+        "text_lr_scale": 0.1,
+        "read_head": True,
     },
 }
 
