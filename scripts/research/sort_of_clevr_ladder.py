@@ -60,8 +60,11 @@ Contenders (`--variants`):
   the text stream alone as the joint vector (`_no_image_bridge_joint_text`); `mm_hier_one_layer_stem_recipe`, the
   model of `scripts/configs/sort_of_clevr_hierarchical.yaml` through the library's options (`feature_map_bridge=False`,
   `joint_pooling="text"`); `_recipe_positions_after_norm`, that model with its tokens' sine positions added after the
-  cross-attention's context LayerNorm instead of before the LayerNorms (the library's
-  `vision_position_embedding="sine_attention"` computes the same), and `_recipe_read_head`, with the read's head.
+  cross-attention's context LayerNorm instead of before the LayerNorms (`vision_position_embedding="sine_attention"`),
+  `_recipe_no_block_mlp`, that without the MLP after the text's cross-attention, and `_recipe_read_head`, with the
+  read's head; `mm_hier_two_layers_stem_sine_attention`, two such layers on the
+  stem; `mm_hier_one_layer_stem_image_self_attention`, the image tokens attending to each other (self-attention and
+  MLP, once per image) before the text reads them.
 - `mm_fusion`: the Sort-of-CLEVR recipe's model (ResNet tower, hierarchical fusion, width 96, 2-layer BERT).
 - `mm_fusion_std01`: the same with `initializer_range=0.1` (fusion block and text tower).
 - `mm_fusion_film`: the recipe's model with `vision_film=True` (every ResNet stage scaled and shifted by a linear map
@@ -206,8 +209,10 @@ VARIANTS = (
     "mm_hier_one_layer_stem_no_image_bridge_joint_text",
     "mm_hier_one_layer_stem_recipe",
     "mm_hier_one_layer_stem_recipe_positions_after_norm",
+    "mm_hier_one_layer_stem_recipe_no_block_mlp",
     "mm_hier_one_layer_stem_recipe_read_head",
     "mm_hier_two_layers_stem_sine_attention",
+    "mm_hier_one_layer_stem_image_self_attention",
     "mm_hier_one_layer_stem_bidirectional",
     "mm_hier_stem_stage1_bidirectional",
     "mm_hier_fixes_bidirectional",
@@ -533,16 +538,49 @@ class AttentionRead(nn.Module):
         return self.mlp(torch.cat([read.mean(1), tokens.mean(1)], dim=1))
 
 
-class NormThenPositions(nn.Module):
-    """A LayerNorm on square grids of tokens, then their fixed sine positions (so the norm cannot scale them)."""
+class Zero(nn.Module):
+    """In place of a residual branch: adds nothing."""
 
-    def __init__(self, norm: nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.zeros_like(x)
+
+
+class ImageSelfFirst(nn.Module):
+    """A text-to-image fusion layer whose image stream first attends to itself (self-attention and MLP, pre-norm, the
+    image positions added after the LayerNorm as `sine_attention` does): question-independent, so once per image. The
+    layer's text then reads the updated image tokens."""
+
+    def __init__(self, layer: nn.Module, config):
         super().__init__()
-        self.norm = norm
+        from mm_fusion.modeling_mm_fusion import MMFusionAttention
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        side = int(tokens.shape[1] ** 0.5)
-        return self.norm(tokens) + sine_positions(side, side, tokens.shape[-1]).to(tokens.dtype)
+        width, eps = config.fusion_hidden_size, config.layer_norm_eps
+        self.layer = layer
+        self.self_attn_norm, self.self_attn = nn.LayerNorm(width, eps=eps), MMFusionAttention(config)
+        self.mlp_norm = nn.LayerNorm(width, eps=eps)
+        self.mlp = nn.Sequential(
+            nn.Linear(width, config.fusion_intermediate_size),
+            nn.GELU(),
+            nn.Linear(config.fusion_intermediate_size, width),
+        )
+        self.dropout = nn.Dropout(config.fusion_dropout)
+
+    @property
+    def text_block(self):
+        return self.layer.text_block
+
+    @property
+    def image_block(self):
+        return self.layer.image_block
+
+    def forward(self, text, image, text_mask, image_index=None, output_attentions=False, image_positions=None):
+        x = self.self_attn_norm(image)
+        x = x + image_positions if image_positions is not None else x
+        image = image + self.dropout(self.self_attn(x, x)[0])
+        image = image + self.dropout(self.mlp(self.mlp_norm(image)))
+        return self.layer(
+            text, image, text_mask, image_index, output_attentions=output_attentions, image_positions=image_positions
+        )
 
 
 class MMFusion(nn.Module):
@@ -564,7 +602,8 @@ class MMFusion(nn.Module):
         text_bridge_norm: bool = True,
         image_bridge: bool = True,
         normalise: bool = True,
-        context_positions: bool = False,
+        image_self_attention: bool = False,
+        block_mlp: bool = True,
         **overrides,
     ):
         super().__init__()
@@ -608,9 +647,11 @@ class MMFusion(nn.Module):
         if attention_sharpness != 1.0:  # the text-to-image logits times this (1: d ** -0.5)
             for layer in encoder.layers:
                 layer.text_block.cross_attn.scaling *= attention_sharpness
-        if context_positions:  # the image tokens' sine positions added after the cross-attention's context LayerNorm
+        if not block_mlp:  # no MLP after the text's cross-attention: the text stream is each token plus its reads
             for layer in encoder.layers:
-                layer.text_block.context_norm = NormThenPositions(layer.text_block.context_norm)
+                layer.text_block.mlp = Zero()
+        if image_self_attention:  # each layer's image stream attends to itself first (once per image), then is read
+            encoder.layers = nn.ModuleList(ImageSelfFirst(layer, config) for layer in encoder.layers)
         if not text_norm:  # no LayerNorm on the fused text stream before it is pooled
             encoder.text_norm = nn.Identity()
         # Without `normalise`, the pixels in [0, 1] as the hand-written contenders see them, not ImageNet-normalised.
@@ -843,12 +884,13 @@ MM_HIERARCHICAL = {
         "text_lr_scale": 0.1,
     },
     # Position (issue 31, eighth session): the recipe's model with its tokens' sine positions added after the
-    # LayerNorms (before the cross-attention's keys and values) rather than before them; with the read's head.
+    # LayerNorms (before the cross-attention's keys and values) rather than before them (the library's
+    # `sine_attention`; first run as a wrapper around the context LayerNorm, which gave the same logits from the same
+    # weights); with the read's head.
     "mm_hier_one_layer_stem_recipe_positions_after_norm": {
         "config_overrides": "fusion_init=pytorch,num_fusion_layers=1,vision_bridge_layers=[0],text_bridge_layers=[2],"
-        "joint_pooling=text,feature_map_bridge=false,vision_position_embedding=none",
+        "joint_pooling=text,feature_map_bridge=false,vision_position_embedding=sine_attention",
         "text_lr_scale": 0.1,
-        "context_positions": True,
     },
     # Relations: a second text-to-image layer reading the stem again (the first finds the named object, the second
     # can look from there), with the positions after the LayerNorms through the library's option.
@@ -856,6 +898,19 @@ MM_HIERARCHICAL = {
         "config_overrides": "fusion_init=pytorch,num_fusion_layers=2,vision_bridge_layers=[0,0],"
         "text_bridge_layers=[2,2],joint_pooling=text,feature_map_bridge=false,vision_position_embedding=sine_attention",
         "text_lr_scale": 0.1,
+    },
+    # Relations, question-independent: the image stream attends to itself (once per image) before the text reads it.
+    "mm_hier_one_layer_stem_image_self_attention": {
+        "config_overrides": "fusion_init=pytorch,num_fusion_layers=1,vision_bridge_layers=[0],text_bridge_layers=[2],"
+        "joint_pooling=text,feature_map_bridge=false,vision_position_embedding=sine_attention",
+        "text_lr_scale": 0.1,
+        "image_self_attention": True,
+    },
+    "mm_hier_one_layer_stem_recipe_no_block_mlp": {
+        "config_overrides": "fusion_init=pytorch,num_fusion_layers=1,vision_bridge_layers=[0],text_bridge_layers=[2],"
+        "joint_pooling=text,feature_map_bridge=false,vision_position_embedding=sine_attention",
+        "text_lr_scale": 0.1,
+        "block_mlp": False,
     },
     "mm_hier_one_layer_stem_recipe_read_head": {
         "config_overrides": "fusion_init=pytorch,num_fusion_layers=1,vision_bridge_layers=[0],text_bridge_layers=[2],"
