@@ -62,9 +62,9 @@ Contenders (`--variants`):
   `joint_pooling="text"`); `_recipe_positions_after_norm`, that model with its tokens' sine positions added after the
   cross-attention's context LayerNorm instead of before the LayerNorms (`vision_position_embedding="sine_attention"`),
   `_recipe_no_block_mlp`, that without the MLP after the text's cross-attention, and `_recipe_read_head`, with the
-  read's head; `mm_hier_two_layers_stem_sine_attention`, two such layers on the
-  stem; `mm_hier_one_layer_stem_image_self_attention`, the image tokens attending to each other (self-attention and
-  MLP, once per image) before the text reads them.
+  read's head; `mm_hier_two_layers_stem_sine_attention`, two such layers on the stem;
+  `mm_hier_one_layer_stem_image_self_attention`, the image tokens attending to each other (self-attention and MLP,
+  once per image) before the text reads them.
 - `mm_fusion`: the Sort-of-CLEVR recipe's model (ResNet tower, hierarchical fusion, width 96, 2-layer BERT).
 - `mm_fusion_std01`: the same with `initializer_range=0.1` (fusion block and text tower).
 - `mm_fusion_film`: the recipe's model with `vision_film=True` (every ResNet stage scaled and shifted by a linear map
@@ -720,6 +720,13 @@ CLIMB |= {
     | {"tower": "resnet_stem", "readout": "mm_block_no_context_norm"},
 }
 
+# The recipe's model (scripts/configs/sort_of_clevr_hierarchical.yaml) as the library builds it now: one text-to-image
+# layer on the stem, no image bridge, the text stream alone, the sine positions after the LayerNorms.
+RECIPE_SINE = (
+    "fusion_init=pytorch,num_fusion_layers=1,vision_bridge_layers=[0],text_bridge_layers=[2],joint_pooling=text,"
+    "feature_map_bridge=false,vision_position_embedding=sine_attention"
+)
+
 # mm_fusion's own hierarchical model (no FiLM) with the fixes the climb points to, through its options.
 MM_HIERARCHICAL = {
     "mm_hier_fixes": {"config_overrides": "fusion_init=pytorch", "text_lr_scale": 0.1},
@@ -886,12 +893,8 @@ MM_HIERARCHICAL = {
     # Position (issue 31, eighth session): the recipe's model with its tokens' sine positions added after the
     # LayerNorms (before the cross-attention's keys and values) rather than before them (the library's
     # `sine_attention`; first run as a wrapper around the context LayerNorm, which gave the same logits from the same
-    # weights); with the read's head.
-    "mm_hier_one_layer_stem_recipe_positions_after_norm": {
-        "config_overrides": "fusion_init=pytorch,num_fusion_layers=1,vision_bridge_layers=[0],text_bridge_layers=[2],"
-        "joint_pooling=text,feature_map_bridge=false,vision_position_embedding=sine_attention",
-        "text_lr_scale": 0.1,
-    },
+    # weights).
+    "mm_hier_one_layer_stem_recipe_positions_after_norm": {"config_overrides": RECIPE_SINE, "text_lr_scale": 0.1},
     # Relations: a second text-to-image layer reading the stem again (the first finds the named object, the second
     # can look from there), with the positions after the LayerNorms through the library's option.
     "mm_hier_two_layers_stem_sine_attention": {
@@ -901,17 +904,16 @@ MM_HIERARCHICAL = {
     },
     # Relations, question-independent: the image stream attends to itself (once per image) before the text reads it.
     "mm_hier_one_layer_stem_image_self_attention": {
-        "config_overrides": "fusion_init=pytorch,num_fusion_layers=1,vision_bridge_layers=[0],text_bridge_layers=[2],"
-        "joint_pooling=text,feature_map_bridge=false,vision_position_embedding=sine_attention",
+        "config_overrides": RECIPE_SINE,
         "text_lr_scale": 0.1,
         "image_self_attention": True,
     },
     "mm_hier_one_layer_stem_recipe_no_block_mlp": {
-        "config_overrides": "fusion_init=pytorch,num_fusion_layers=1,vision_bridge_layers=[0],text_bridge_layers=[2],"
-        "joint_pooling=text,feature_map_bridge=false,vision_position_embedding=sine_attention",
+        "config_overrides": RECIPE_SINE,
         "text_lr_scale": 0.1,
         "block_mlp": False,
     },
+    # The recipe's model as it was (positions before the LayerNorms) with the read's head.
     "mm_hier_one_layer_stem_recipe_read_head": {
         "config_overrides": "fusion_init=pytorch,num_fusion_layers=1,vision_bridge_layers=[0],text_bridge_layers=[2],"
         "joint_pooling=text,feature_map_bridge=false",
