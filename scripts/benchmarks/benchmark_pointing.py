@@ -118,7 +118,7 @@ def draw_grid(model, processor, test, boxes, path: str, method: str | None) -> N
     from mm_fusion.image_maps import plot
 
     picked = grid_examples(test)
-    rows = test.select(picked)
+    rows = test.select(picked)[:]  # plain lists: a processor takes no `datasets` Column
     batch = processor(images=rows["image"], text=rows["question"])
     result = model.image_maps(**batch, method=method)
     probabilities = result.logits.softmax(-1)

@@ -50,6 +50,8 @@ def bench_answer_names():
 
 
 def fake_processor(images, text):
+    # What the real processor accepts (transformers' `validate_inputs`): a list of strings, not a `datasets` Column.
+    assert isinstance(text, list) and all(isinstance(t, str) for t in text), type(text)
     return {
         "pixel_values": torch.zeros(len(images), 3, 64, 64, dtype=torch.uint8),
         "input_ids": torch.ones(len(text), 3, dtype=torch.long),
