@@ -64,7 +64,10 @@ Contenders (`--variants`):
   `_recipe_no_block_mlp`, that without the MLP after the text's cross-attention, and `_recipe_read_head`, with the
   read's head; `mm_hier_two_layers_stem_sine_attention`, two such layers on the stem;
   `mm_hier_one_layer_stem_image_self_attention`, the image tokens attending to each other (self-attention and MLP,
-  once per image) before the text reads them.
+  once per image) before the text reads them; `mm_hier_two_layers_stem_second_zero_init` and
+  `_image_self_attention_zero_init`, the same two with the new branches' last maps drawn as zero (at step 0 the
+  one-layer model); `_recipe_text_embeddings`, the recipe's model reading the text tower's embeddings (hidden state
+  0) instead of its last layer.
 - `mm_fusion`: the Sort-of-CLEVR recipe's model (ResNet tower, hierarchical fusion, width 96, 2-layer BERT).
 - `mm_fusion_std01`: the same with `initializer_range=0.1` (fusion block and text tower).
 - `mm_fusion_film`: the recipe's model with `vision_film=True` (every ResNet stage scaled and shifted by a linear map
@@ -210,9 +213,12 @@ VARIANTS = (
     "mm_hier_one_layer_stem_recipe",
     "mm_hier_one_layer_stem_recipe_positions_after_norm",
     "mm_hier_one_layer_stem_recipe_no_block_mlp",
+    "mm_hier_one_layer_stem_recipe_text_embeddings",
     "mm_hier_one_layer_stem_recipe_read_head",
     "mm_hier_two_layers_stem_sine_attention",
+    "mm_hier_two_layers_stem_second_zero_init",
     "mm_hier_one_layer_stem_image_self_attention",
+    "mm_hier_one_layer_stem_image_self_attention_zero_init",
     "mm_hier_one_layer_stem_bidirectional",
     "mm_hier_stem_stage1_bidirectional",
     "mm_hier_fixes_bidirectional",
@@ -550,7 +556,7 @@ class ImageSelfFirst(nn.Module):
     image positions added after the LayerNorm as `sine_attention` does): question-independent, so once per image. The
     layer's text then reads the updated image tokens."""
 
-    def __init__(self, layer: nn.Module, config):
+    def __init__(self, layer: nn.Module, config, zero_init: bool = False):
         super().__init__()
         from mm_fusion.modeling_mm_fusion import MMFusionAttention
 
@@ -564,6 +570,10 @@ class ImageSelfFirst(nn.Module):
             nn.Linear(config.fusion_intermediate_size, width),
         )
         self.dropout = nn.Dropout(config.fusion_dropout)
+        if zero_init:  # both residual branches start at zero: at step 0 the model is the layer alone
+            for last in (self.self_attn.out_proj, self.mlp[2]):
+                nn.init.zeros_(last.weight)
+                nn.init.zeros_(last.bias)
 
     @property
     def text_block(self):
@@ -602,8 +612,9 @@ class MMFusion(nn.Module):
         text_bridge_norm: bool = True,
         image_bridge: bool = True,
         normalise: bool = True,
-        image_self_attention: bool = False,
+        image_self_attention: bool | str = False,
         block_mlp: bool = True,
+        later_layers_zero: bool = False,
         **overrides,
     ):
         super().__init__()
@@ -650,8 +661,15 @@ class MMFusion(nn.Module):
         if not block_mlp:  # no MLP after the text's cross-attention: the text stream is each token plus its reads
             for layer in encoder.layers:
                 layer.text_block.mlp = Zero()
+        if later_layers_zero:  # each fusion layer after the first adds nothing at step 0 (its last maps zero)
+            for layer in encoder.layers[1:]:
+                block = layer.text_block
+                for last in (block.self_attn.out_proj, block.cross_attn.out_proj, block.mlp[2]):
+                    nn.init.zeros_(last.weight)
+                    nn.init.zeros_(last.bias)
         if image_self_attention:  # each layer's image stream attends to itself first (once per image), then is read
-            encoder.layers = nn.ModuleList(ImageSelfFirst(layer, config) for layer in encoder.layers)
+            zero = image_self_attention == "zero_init"  # its residual branches drawn as zero
+            encoder.layers = nn.ModuleList(ImageSelfFirst(layer, config, zero_init=zero) for layer in encoder.layers)
         if not text_norm:  # no LayerNorm on the fused text stream before it is pooled
             encoder.text_norm = nn.Identity()
         # Without `normalise`, the pixels in [0, 1] as the hand-written contenders see them, not ImageNet-normalised.
@@ -902,16 +920,37 @@ MM_HIERARCHICAL = {
         "text_bridge_layers=[2,2],joint_pooling=text,feature_map_bridge=false,vision_position_embedding=sine_attention",
         "text_lr_scale": 0.1,
     },
+    # The same, the second layer's residual branches drawn as zero: at step 0 the one-layer model, so the first read
+    # is not slowed while the second grows.
+    "mm_hier_two_layers_stem_second_zero_init": {
+        "config_overrides": "fusion_init=pytorch,num_fusion_layers=2,vision_bridge_layers=[0,0],"
+        "text_bridge_layers=[2,2],joint_pooling=text,feature_map_bridge=false,vision_position_embedding=sine_attention",
+        "text_lr_scale": 0.1,
+        "later_layers_zero": True,
+    },
     # Relations, question-independent: the image stream attends to itself (once per image) before the text reads it.
     "mm_hier_one_layer_stem_image_self_attention": {
         "config_overrides": RECIPE_SINE,
         "text_lr_scale": 0.1,
         "image_self_attention": True,
     },
+    # The same with the self-attention's and its MLP's last layers drawn as zero: at step 0 the recipe's model, so the
+    # first read is not slowed while the image stream's own attention grows.
+    "mm_hier_one_layer_stem_image_self_attention_zero_init": {
+        "config_overrides": RECIPE_SINE,
+        "text_lr_scale": 0.1,
+        "image_self_attention": "zero_init",
+    },
     "mm_hier_one_layer_stem_recipe_no_block_mlp": {
         "config_overrides": RECIPE_SINE,
         "text_lr_scale": 0.1,
         "block_mlp": False,
+    },
+    # The first read's query from the text tower's embeddings (hidden state 0), not its last layer: the colour word's
+    # query is then the same whatever the family asks, so the read that shape questions learn serves left / top too.
+    "mm_hier_one_layer_stem_recipe_text_embeddings": {
+        "config_overrides": RECIPE_SINE.replace("text_bridge_layers=[2]", "text_bridge_layers=[0]"),
+        "text_lr_scale": 0.1,
     },
     # The recipe's model as it was (positions before the LayerNorms) with the read's head.
     "mm_hier_one_layer_stem_recipe_read_head": {
