@@ -33,18 +33,30 @@ RESULTS = SCRIPTS / "results"
 
 
 def machine() -> dict:
-    """The hardware and versions a measurement was taken with."""
+    """The hardware and versions a measurement was taken with. Beside the CPU's name, its family and model (two hosts
+    both named "AMD EPYC" can be different generations) and the vector instructions torch's kernels use: a training
+    run's figures depend on them, not only its speed (another summation order, another trajectory from the same seed;
+    scripts/research/results/sort_of_clevr_ladder.md, point 29)."""
     import transformers
 
     cpu = platform.processor() or platform.machine()
+    info = {}
     try:
         with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+            for line in f:
+                if not line.strip():
+                    break  # the first processor's block is enough
+                key, _, value = line.partition(":")
+                info[key.strip()] = value.strip()
     except OSError:
         pass
+    cpu = info.get("model name", cpu)
+    family_model = f"{info['cpu family']}/{info['model']}" if {"cpu family", "model"} <= info.keys() else None
     return {
         "cores": os.cpu_count(),
         "cpu": cpu,
+        "cpu_family_model": family_model,
+        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "torch_threads": torch.get_num_threads(),
         "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,

@@ -67,7 +67,13 @@ Contenders (`--variants`):
   once per image) before the text reads them; `mm_hier_two_layers_stem_second_zero_init` and
   `_image_self_attention_zero_init`, the same two with the new branches' last maps drawn as zero (at step 0 the
   one-layer model); `_recipe_text_embeddings`, the recipe's model reading the text tower's embeddings (hidden state
-  0) instead of its last layer.
+  0) instead of its last layer; `_recipe_no_text_self_attention`, the recipe's model without the fusion layer's text
+  self-attention (each token reads the image as the text tower leaves it), `_recipe_embeddings_no_text_self_attention`
+  the same reading the embeddings (the colour token's query is the colour's alone, whatever the family), and
+  `_recipe_embeddings_cross_first`, reading the embeddings with the fusion layer's two attentions swapped (the image
+  read first, then the tokens' self-attention); `_recipe_text_full_lr`, the recipe's model with the text tower at the
+  full learning rate, and `_recipe_uniform_read`, with the cross-attention's query map drawn as zero (every token reads
+  every cell alike at step 0); `_recipe_one_head`, with one attention head in place of four.
 - `mm_fusion`: the Sort-of-CLEVR recipe's model (ResNet tower, hierarchical fusion, width 96, 2-layer BERT).
 - `mm_fusion_std01`: the same with `initializer_range=0.1` (fusion block and text tower).
 - `mm_fusion_film`: the recipe's model with `vision_film=True` (every ResNet stage scaled and shifted by a linear map
@@ -100,7 +106,9 @@ Contenders (`--variants`):
   (the bridges' and the context's) removed, so that object cells keep a larger norm than the background.
 
 Every evaluation of a model with cross-attention also gives `on_object`: the share of its (last layer's)
-text-to-image attention on the named object's square, over 600 non-relational questions (about 0.03 when uniform).
+text-to-image attention on the named object's square, over 600 non-relational questions (about 0.03 when uniform),
+and the same per family (`on_object_shape`, `on_object_horizontal`, `on_object_vertical`; added in the tenth
+session, after the pipeline's pointing figure found the families reading differently).
 
 Writes `results/sort_of_clevr_ladder_runs.json` (every evaluation), `.md` (the table of the last evaluations) and
 `.png` (the learning curves of the left / right question).
@@ -215,6 +223,12 @@ VARIANTS = (
     "mm_hier_one_layer_stem_recipe_no_block_mlp",
     "mm_hier_one_layer_stem_recipe_text_embeddings",
     "mm_hier_one_layer_stem_recipe_read_head",
+    "mm_hier_one_layer_stem_recipe_no_text_self_attention",
+    "mm_hier_one_layer_stem_recipe_embeddings_no_text_self_attention",
+    "mm_hier_one_layer_stem_recipe_embeddings_cross_first",
+    "mm_hier_one_layer_stem_recipe_text_full_lr",
+    "mm_hier_one_layer_stem_recipe_uniform_read",
+    "mm_hier_one_layer_stem_recipe_one_head",
     "mm_hier_two_layers_stem_sine_attention",
     "mm_hier_two_layers_stem_second_zero_init",
     "mm_hier_one_layer_stem_image_self_attention",
@@ -551,6 +565,42 @@ class Zero(nn.Module):
         return torch.zeros_like(x)
 
 
+class NoAttention(nn.Module):
+    """In place of an attention: adds nothing (its output zero, no probabilities)."""
+
+    def forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor, None]:
+        return torch.zeros_like(hidden_states), None
+
+
+class CrossFirst(nn.Module):
+    """A fusion layer's text block with its two attentions swapped: each text token reads the image first (its query
+    as the layer's input leaves it), then the tokens attend to each other (the colour token's read reaches the
+    family's), then the MLP. The same modules and parameters as mm_fusion's block, in another order."""
+
+    def __init__(self, block: nn.Module):
+        super().__init__()
+        self.block = block
+
+    @property
+    def cross_attn(self) -> nn.Module:  # where mm_fusion.image_maps reads the attention
+        return self.block.cross_attn
+
+    def forward(self, hidden_states, context, self_mask, context_mask, context_index=None, output_attentions=False,
+                positions=None, context_positions=None):  # fmt: skip
+        block = self.block
+        context = block.context_norm(context)
+        context = context + context_positions if context_positions is not None else context
+        read, cross_weights = block.cross_attn(
+            block.cross_attn_norm(hidden_states), context, context_mask, context_index, output_attentions
+        )
+        hidden_states = hidden_states + block.dropout(read)
+        x = block.self_attn_norm(hidden_states)
+        mixed, self_weights = block.self_attn(x, x, self_mask, output_attentions=output_attentions)
+        hidden_states = hidden_states + block.dropout(mixed)
+        hidden_states = hidden_states + block.dropout(block.mlp(block.mlp_norm(hidden_states)))
+        return hidden_states, self_weights, cross_weights
+
+
 class ImageSelfFirst(nn.Module):
     """A text-to-image fusion layer whose image stream first attends to itself (self-attention and MLP, pre-norm, the
     image positions added after the LayerNorm as `sine_attention` does): question-independent, so once per image. The
@@ -615,6 +665,9 @@ class MMFusion(nn.Module):
         image_self_attention: bool | str = False,
         block_mlp: bool = True,
         later_layers_zero: bool = False,
+        text_self_attention: bool = True,
+        cross_first: bool = False,
+        uniform_read: bool = False,
         **overrides,
     ):
         super().__init__()
@@ -667,6 +720,16 @@ class MMFusion(nn.Module):
                 for last in (block.self_attn.out_proj, block.cross_attn.out_proj, block.mlp[2]):
                     nn.init.zeros_(last.weight)
                     nn.init.zeros_(last.bias)
+        if not text_self_attention:  # the text tokens read the image without first attending to each other
+            for layer in encoder.layers:
+                layer.text_block.self_attn = NoAttention()
+        if uniform_read:  # the cross-attention's queries drawn as zero: at step 0 every token reads every cell alike
+            for layer in encoder.layers:
+                nn.init.zeros_(layer.text_block.cross_attn.q_proj.weight)
+                nn.init.zeros_(layer.text_block.cross_attn.q_proj.bias)
+        if cross_first:  # the text reads the image before its tokens attend to each other
+            for layer in encoder.layers:
+                layer.text_block = CrossFirst(layer.text_block)
         if image_self_attention:  # each layer's image stream attends to itself first (once per image), then is read
             zero = image_self_attention == "zero_init"  # its residual branches drawn as zero
             encoder.layers = nn.ModuleList(ImageSelfFirst(layer, config, zero_init=zero) for layer in encoder.layers)
@@ -952,6 +1015,44 @@ MM_HIERARCHICAL = {
         "config_overrides": RECIPE_SINE.replace("text_bridge_layers=[2]", "text_bridge_layers=[0]"),
         "text_lr_scale": 0.1,
     },
+    # A read that does not depend on the question's family (tenth session): the slow seed's shape questions find the
+    # object and its left / top questions do not, so the colour token's query differs by family. Without the fusion
+    # layer's text self-attention, the tokens read the image as the text tower leaves them (layer 2: still mixed by the
+    # tower's own attention) ...
+    "mm_hier_one_layer_stem_recipe_no_text_self_attention": {
+        "config_overrides": RECIPE_SINE,
+        "text_lr_scale": 0.1,
+        "text_self_attention": False,
+    },
+    # ... or as the tower's embeddings (hidden state 0): the colour token's query is then the colour's alone.
+    "mm_hier_one_layer_stem_recipe_embeddings_no_text_self_attention": {
+        "config_overrides": RECIPE_SINE.replace("text_bridge_layers=[2]", "text_bridge_layers=[0]"),
+        "text_lr_scale": 0.1,
+        "text_self_attention": False,
+    },
+    # ... or with both attentions, the image read first (as the layer's input leaves the tokens), then the tokens'
+    # self-attention, which can bring the colour token's read to the family's.
+    "mm_hier_one_layer_stem_recipe_embeddings_cross_first": {
+        "config_overrides": RECIPE_SINE.replace("text_bridge_layers=[2]", "text_bridge_layers=[0]"),
+        "text_lr_scale": 0.1,
+        "cross_first": True,
+    },
+    # Over seeds (tenth session): the recipe's model with the text tower at the full learning rate (its states, from
+    # which the read's queries come, then move as fast as the read), ...
+    "mm_hier_one_layer_stem_recipe_text_full_lr": {"config_overrides": RECIPE_SINE, "text_lr_scale": 1.0},
+    # ... and with the cross-attention's query map drawn as zero, so that every family starts from the same uniform
+    # read rather than from a random one of its own.
+    "mm_hier_one_layer_stem_recipe_uniform_read": {
+        "config_overrides": RECIPE_SINE,
+        "text_lr_scale": 0.1,
+        "uniform_read": True,
+    },
+    # ... and with one attention head in place of four (the whole width reads one map: the 4-head hand-written read
+    # had not left the prior on left where the 1-head one had, point 18).
+    "mm_hier_one_layer_stem_recipe_one_head": {
+        "config_overrides": RECIPE_SINE + ",fusion_num_attention_heads=1",
+        "text_lr_scale": 0.1,
+    },
     # The recipe's model as it was (positions before the LayerNorms) with the read's head.
     "mm_hier_one_layer_stem_recipe_read_head": {
         "config_overrides": "fusion_init=pytorch,num_fusion_layers=1,vision_bridge_layers=[0],text_bridge_layers=[2],"
@@ -1034,13 +1135,14 @@ def evaluate(model: nn.Module, test: dict) -> dict[str, float]:
         "relational": [result[f] for f in FAMILIES if f not in NON_RELATIONAL],
     }
     accuracy = {kind: round(sum(v) / len(v), 4) for kind, v in by_type.items()} | result
-    return accuracy if on_object is None else accuracy | {"on_object": on_object}
+    return accuracy if on_object is None else accuracy | on_object
 
 
-def attention_on_object(model: nn.Module, test: dict, count: int = 600) -> float | None:
+def attention_on_object(model: nn.Module, test: dict, count: int = 600) -> dict[str, float] | None:
     """The share of the last fusion layer's text-to-image attention (heads and text tokens averaged) on the cells of
-    the named object's square, over the first `count` non-relational questions: near its area's share of the image
-    (about 2.5%) when the model answers without finding the object."""
+    the named object's square, over the first `count` non-relational questions (`on_object`) and per family among them
+    (`on_object_shape`, `on_object_horizontal`, `on_object_vertical`): near the square's share of the image (about
+    2.5%) when the model answers without finding the object."""
     rows = torch.nonzero(torch.isin(test["family"], torch.tensor([FAMILIES.index(f) for f in NON_RELATIONAL])))[
         :count, 0
     ]
@@ -1058,7 +1160,10 @@ def attention_on_object(model: nn.Module, test: dict, count: int = 600) -> float
     inside_x = (xs[None, :] - centre[:, :1]).abs() <= OBJECT_SIZE / 2
     inside_y = (ys[None, :] - centre[:, 1:]).abs() <= OBJECT_SIZE / 2
     inside = inside_y[:, :, None] & inside_x[:, None, :]
-    return round((maps * inside).sum((1, 2)).mean().item(), 4)
+    share = (maps * inside).sum((1, 2))
+    family = test["family"][rows]
+    per_family = {f"on_object_{f}": round(share[family == FAMILIES.index(f)].mean().item(), 4) for f in NON_RELATIONAL}
+    return {"on_object": round(share.mean().item(), 4)} | per_family
 
 
 def train_variant(name: str, train: dict, test: dict, args) -> dict:

@@ -2,6 +2,7 @@
 
 import json
 
+import pytest
 import sort_of_clevr_ladder as ladder  # scripts/research is on sys.path (conftest.py)
 import torch
 
@@ -101,16 +102,23 @@ def test_attention_on_object_is_one_on_the_named_object_and_its_area_when_unifor
     centre = split["centre"][rows]
     on = torch.zeros(len(rows), 1, 16, 16)
     on[torch.arange(len(rows)), 0, (centre[:, 1] // 4).long(), (centre[:, 0] // 4).long()] = 1.0
-    assert ladder.attention_on_object(FixedMaps(on), split) == 1.0
+    families = [f"on_object_{f}" for f in ladder.NON_RELATIONAL]
+    assert ladder.attention_on_object(FixedMaps(on), split) == dict.fromkeys(["on_object", *families], 1.0)
+    # On the object for shape questions only: the families are told apart (the average alone hid that split).
+    shape_only = on * (split["family"][rows] == ladder.FAMILIES.index("shape")).float()[:, None, None, None]
+    by_family = ladder.attention_on_object(FixedMaps(shape_only), split)
+    assert [by_family[k] for k in families] == [1.0, 0.0, 0.0]
+    assert by_family["on_object"] == pytest.approx(1 / 3, abs=0.01)
     # All of it on another colour's object: none on the named one (objects do not overlap).
     other = torch.zeros_like(on)
     for k, row in enumerate(rows):
         image, colour = int(split["image"][row]), ladder.COLOUR_NAMES[int(split["colour"][row])]
         x, y = next((o["x"], o["y"]) for o in drawn[image] if o["colour"] != colour)
         other[k, 0, int(y // 4), int(x // 4)] = 1.0
-    assert ladder.attention_on_object(FixedMaps(other), split) == 0.0
+    assert set(ladder.attention_on_object(FixedMaps(other), split).values()) == {0.0}
     uniform = ladder.attention_on_object(FixedMaps(torch.full((len(rows), 1, 16, 16), 1 / 256)), split)
-    assert 0.02 < uniform < 0.04  # about a 10 px square's share of 64 x 64 (2.4%), cells counted whole
+    # About a 10 px square's share of 64 x 64 (2.4%), cells counted whole.
+    assert all(0.02 < share < 0.04 for share in uniform.values())
     assert "on_object" in ladder.evaluate(FixedMaps(on), split) and "on_object" not in ladder.evaluate(
         AlwaysYes(), split
     )
