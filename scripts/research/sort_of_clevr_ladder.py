@@ -1266,13 +1266,13 @@ def plot(runs: list[dict], path: Path) -> None:
     def seed(run):
         return run.get("settings", {}).get("seed", 0)
 
+    def library(run):  # a model mm_fusion builds (its name says so), not a hand-written contender
+        return run["variant"].startswith(("mm_fusion", "mm_hier"))
+
     groups = [
-        (
-            "hand-written contenders, seed 0",
-            [r for r in runs if not r["variant"].startswith("mm_fusion") and not seed(r)],
-        ),
-        ("hand-written contenders, seed 1", [r for r in runs if not r["variant"].startswith("mm_fusion") and seed(r)]),
-        ("mm_fusion variants", [r for r in runs if r["variant"].startswith("mm_fusion")]),
+        (f"{kind}, {seeds}", [r for r in runs if library(r) == is_library and (seed(r) == 0) == first_seed])
+        for kind, is_library in (("hand-written contenders", False), ("mm_fusion models", True))
+        for seeds, first_seed in (("seed 0", True), ("other seeds", False))
     ]
     groups = [(title, members) for title, members in groups if members]
     fig, axes = plt.subplots(1, len(groups), figsize=(6 * len(groups), 7.5), sharey=True, squeeze=False)
