@@ -75,6 +75,11 @@ Contenders (`--variants`):
   full learning rate, and `_recipe_uniform_read`, with the cross-attention's query map drawn as zero (every token reads
   every cell alike at step 0); `_recipe_one_head`, with one attention head in place of four;
   `_recipe_positions_in_values`, with the image positions added to the cross-attention's values only, not its keys.
+  Eleventh session: `_recipe_stem_coordinates`, the recipe's model with (x, y) appended to the pixels into the tower's
+  first convolution (CoordConv), and `_stem_coordinates_no_positions` the same without the sine positions;
+  `_recipe_bidirectional`, the recipe's model with co-attention (the image tokens read the question too) and the
+  pooled image and its product with the pooled text in the joint vector (`_stem_coordinates`: with CoordConv too);
+  `mm_hier_one_layer_stage1_recipe_film`, the recipe's model with FiLM in its tower (`vision_film`) reading stage 1.
 - `mm_fusion`: the Sort-of-CLEVR recipe's model (ResNet tower, hierarchical fusion, width 96, 2-layer BERT).
 - `mm_fusion_std01`: the same with `initializer_range=0.1` (fusion block and text tower).
 - `mm_fusion_film`: the recipe's model with `vision_film=True` (every ResNet stage scaled and shifted by a linear map
@@ -114,12 +119,15 @@ session, after the pipeline's pointing figure found the families reading differe
 Writes `results/sort_of_clevr_ladder_runs.json` (every evaluation), `.md` (the table of the last evaluations) and
 `.png` (the learning curves of the left / right question).
 `--merge a.json b.json` combines the reports of variants run by separate commands.
+`--device cuda` trains on a GPU (the scenes are drawn on the CPU as before); a run there follows another trajectory
+than on a CPU, as a run on one CPU does beside another (results/sort_of_clevr_ladder.md, point 29).
 """
 
 import argparse
 import json
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -231,6 +239,11 @@ VARIANTS = (
     "mm_hier_one_layer_stem_recipe_uniform_read",
     "mm_hier_one_layer_stem_recipe_one_head",
     "mm_hier_one_layer_stem_recipe_positions_in_values",
+    "mm_hier_one_layer_stem_recipe_stem_coordinates",
+    "mm_hier_one_layer_stem_recipe_stem_coordinates_no_positions",
+    "mm_hier_one_layer_stem_recipe_bidirectional",
+    "mm_hier_one_layer_stem_recipe_bidirectional_stem_coordinates",
+    "mm_hier_one_layer_stage1_recipe_film",
     "mm_hier_two_layers_stem_sine_attention",
     "mm_hier_two_layers_stem_second_zero_init",
     "mm_hier_one_layer_stem_image_self_attention",
@@ -640,6 +653,28 @@ class ValuePositions(nn.Module):
             value_map.positions = None
 
 
+class CoordinateStem(nn.Module):
+    """The tower's first convolution with the pixel's (x, y) in [-1, 1] appended to its input as two more channels
+    (CoordConv, arXiv:1807.03247): after its ReLU the stem's features are functions of colour and position together, so
+    a mixture of every cell tells where each colour is, as the mixture tells each colour's shape. The colour channels'
+    weights are the convolution's own; the coordinate channels' are drawn as PyTorch draws a new convolution's."""
+
+    def __init__(self, conv: nn.Conv2d):
+        super().__init__()
+        self.conv = nn.Conv2d(
+            conv.in_channels + 2, conv.out_channels, conv.kernel_size, conv.stride, conv.padding,
+            bias=conv.bias is not None,
+        )  # fmt: skip
+        with torch.no_grad():
+            self.conv.weight[:, : conv.in_channels] = conv.weight
+            if conv.bias is not None:
+                self.conv.bias.copy_(conv.bias)
+
+    def forward(self, pixels):
+        grid = coordinates(pixels.shape[0], *pixels.shape[-2:]).to(pixels)
+        return self.conv(torch.cat([pixels, grid], dim=1))
+
+
 class ImageSelfFirst(nn.Module):
     """A text-to-image fusion layer whose image stream first attends to itself (self-attention and MLP, pre-norm, the
     image positions added after the LayerNorm as `sine_attention` does): question-independent, so once per image. The
@@ -708,6 +743,7 @@ class MMFusion(nn.Module):
         cross_first: bool = False,
         uniform_read: bool = False,
         positions_in_values: bool = False,
+        stem_coordinates: bool = False,
         **overrides,
     ):
         super().__init__()
@@ -770,6 +806,9 @@ class MMFusion(nn.Module):
         if positions_in_values:  # the image positions in the cross-attention's values, not its keys
             for layer in encoder.layers:
                 layer.text_block = ValuePositions(layer.text_block)
+        if stem_coordinates:  # (x, y) into the tower's first convolution (CoordConv)
+            stem = self.model.mm_fusion.vision_model.embedder.embedder
+            stem.convolution = CoordinateStem(stem.convolution)
         if cross_first:  # the text reads the image before its tokens attend to each other
             for layer in encoder.layers:
                 layer.text_block = CrossFirst(layer.text_block)
@@ -850,6 +889,12 @@ RECIPE_SINE = (
     "fusion_init=pytorch,num_fusion_layers=1,vision_bridge_layers=[0],text_bridge_layers=[2],joint_pooling=text,"
     "feature_map_bridge=false,vision_position_embedding=sine_attention"
 )
+
+# The same reading the text tower's embeddings (hidden state 0) instead of its last layer.
+RECIPE_SINE_EMBEDDINGS = RECIPE_SINE.replace("text_bridge_layers=[2]", "text_bridge_layers=[0]")
+
+# The same with the pooled image and its product with the pooled text beside the pooled text, for co-attention.
+RECIPE_BIDIRECTIONAL = RECIPE_SINE.replace("joint_pooling=text", "joint_pooling=concat_product")
 
 # mm_fusion's own hierarchical model (no FiLM) with the fixes the climb points to, through its options.
 MM_HIERARCHICAL = {
@@ -1055,7 +1100,7 @@ MM_HIERARCHICAL = {
     # The first read's query from the text tower's embeddings (hidden state 0), not its last layer: the colour word's
     # query is then the same whatever the family asks, so the read that shape questions learn serves left / top too.
     "mm_hier_one_layer_stem_recipe_text_embeddings": {
-        "config_overrides": RECIPE_SINE.replace("text_bridge_layers=[2]", "text_bridge_layers=[0]"),
+        "config_overrides": RECIPE_SINE_EMBEDDINGS,
         "text_lr_scale": 0.1,
     },
     # A read that does not depend on the question's family (tenth session): the slow seed's shape questions find the
@@ -1069,14 +1114,14 @@ MM_HIERARCHICAL = {
     },
     # ... or as the tower's embeddings (hidden state 0): the colour token's query is then the colour's alone.
     "mm_hier_one_layer_stem_recipe_embeddings_no_text_self_attention": {
-        "config_overrides": RECIPE_SINE.replace("text_bridge_layers=[2]", "text_bridge_layers=[0]"),
+        "config_overrides": RECIPE_SINE_EMBEDDINGS,
         "text_lr_scale": 0.1,
         "text_self_attention": False,
     },
     # ... or with both attentions, the image read first (as the layer's input leaves the tokens), then the tokens'
     # self-attention, which can bring the colour token's read to the family's.
     "mm_hier_one_layer_stem_recipe_embeddings_cross_first": {
-        "config_overrides": RECIPE_SINE.replace("text_bridge_layers=[2]", "text_bridge_layers=[0]"),
+        "config_overrides": RECIPE_SINE_EMBEDDINGS,
         "text_lr_scale": 0.1,
         "cross_first": True,
     },
@@ -1103,6 +1148,43 @@ MM_HIERARCHICAL = {
         "config_overrides": RECIPE_SINE,
         "text_lr_scale": 0.1,
         "positions_in_values": True,
+    },
+    # The recipe's model with (x, y) appended to the pixels into the tower's first convolution (CoordConv): position
+    # mixed with colour in the stem's features, as FiLM's flattened read has it by construction; and the same without
+    # the sine positions (the position only in the features).
+    "mm_hier_one_layer_stem_recipe_stem_coordinates": {
+        "config_overrides": RECIPE_SINE,
+        "text_lr_scale": 0.1,
+        "stem_coordinates": True,
+    },
+    "mm_hier_one_layer_stem_recipe_stem_coordinates_no_positions": {
+        "config_overrides": RECIPE_SINE.replace(
+            "vision_position_embedding=sine_attention", "vision_position_embedding=none"
+        ),
+        "text_lr_scale": 0.1,
+        "stem_coordinates": True,
+    },
+    # Co-attention on the recipe: the image tokens also read the question (self-attention, cross-attention to the
+    # text, MLP), and the head reads the pooled text, the pooled image and their product, so that a question-marked
+    # mixture of the cells can tell where the named object is, as FiLM's question-scaled features do.
+    "mm_hier_one_layer_stem_recipe_bidirectional": {
+        "config_overrides": RECIPE_BIDIRECTIONAL,
+        "fusion_direction": "bidirectional",
+        "text_lr_scale": 0.1,
+    },
+    "mm_hier_one_layer_stem_recipe_bidirectional_stem_coordinates": {
+        "config_overrides": RECIPE_BIDIRECTIONAL,
+        "fusion_direction": "bidirectional",
+        "text_lr_scale": 0.1,
+        "stem_coordinates": True,
+    },
+    # FiLM and the read together: the recipe's model with its tower's stages scaled and shifted by the question
+    # (`vision_film`, drawn as PyTorch draws it), its text-to-image layer reading stage 1 (16 x 16, after FiLM; the
+    # stem is before it), so that the cells the question names stand out before the read looks for them.
+    "mm_hier_one_layer_stage1_recipe_film": {
+        "config_overrides": RECIPE_SINE.replace("vision_bridge_layers=[0]", "vision_bridge_layers=[1]")
+        + ",vision_film=true,vision_film_init=pytorch",
+        "text_lr_scale": 0.1,
     },
     # The recipe's model as it was (positions before the LayerNorms) with the read's head.
     "mm_hier_one_layer_stem_recipe_read_head": {
@@ -1225,7 +1307,7 @@ def train_variant(name: str, train: dict, test: dict, args) -> dict:
     generator = torch.Generator().manual_seed(args.seed)
     evaluations, step, start = [], 0, time.perf_counter()
     while step < args.steps:
-        order = torch.randperm(len(train["answer"]), generator=generator)
+        order = torch.randperm(len(train["answer"]), generator=generator, device="cpu").to(train["answer"].device)
         for begin in range(0, len(order) - args.batch_size + 1, args.batch_size):
             rows = order[begin : begin + args.batch_size]
             logits = model(
@@ -1295,6 +1377,40 @@ def plot(runs: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
+def plot_by_variant(runs: list[dict], path: Path) -> None:
+    """The same curves for reports of many seeds: one panel per variant, a line per seed (the spread over seeds, not
+    one draw, is what tells rungs apart: results/sort_of_clevr_ladder.md, points 30 and 33)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    variants = list(dict.fromkeys(run["variant"] for run in runs))
+    columns = min(4, len(variants))
+    rows = -(-len(variants) // columns)
+    fig, axes = plt.subplots(rows, columns, figsize=(4.2 * columns, 3.2 * rows), sharey=True, squeeze=False)
+    for ax, variant in zip(axes.flat, variants):
+        for run in (r for r in runs if r["variant"] == variant):
+            evaluations, settings = run["evaluations"], run.get("settings", {})
+            ax.plot(
+                [e["step"] for e in evaluations], [e["horizontal"] for e in evaluations], marker=".", linewidth=1,
+                color=plt.cm.tab10(settings.get("seed", 0) % 10), label=f"seed {settings.get('seed', 0)}",
+            )  # fmt: skip
+        ax.axhline(0.5, color="grey", linewidth=0.8, linestyle=":")
+        ax.set_title(variant.replace("mm_hier_one_layer_", ""), fontsize=8)
+        ax.set_ylim(0.3, 1.02)
+        ax.set_xlabel("step (64 questions each)", fontsize=8)
+        ax.legend(fontsize=6, ncol=2, loc="upper left", frameon=False)
+    for ax in axes.flat[len(variants) :]:
+        ax.axis("off")
+    for ax in axes[:, 0]:
+        ax.set_ylabel('"is the <colour> object on the left"', fontsize=8)
+    fig.suptitle("Sort-of-CLEVR diagnostic ladder: held-out left / right accuracy per seed, prior dotted", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+
+
 def colour_probe(seed: int = 1, images: int = 400) -> dict[str, float]:
     """
     How well the towers' features at initialisation tell an object's colour: the feature vector of the cell under each
@@ -1342,6 +1458,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--test_images", type=int, default=300)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--device", default="cpu", help="Where the models train (e.g. cuda); the data is drawn on the CPU."
+    )
     parser.add_argument("--merge", nargs="+", default=[], help="Only combine these reports (JSON) into --output.")
     parser.add_argument(
         "--colour_probe", action="store_true", help="Only print how well each tower's initial features tell colours."
@@ -1375,6 +1494,9 @@ def run(args) -> dict:
             seed=args.seed,
         )
         train, test = build_split(scenes["train"]), build_split(scenes["test"])
+        if args.device != "cpu":  # the splits, models and every tensor they make on that device
+            train, test = ({k: v.to(args.device) for k, v in split.items()} for split in (train, test))
+            torch.set_default_device(args.device)
         for name in args.variants:
             run = train_variant(name, train, test, args) | {"settings": vars(args) | {"variants": None}}
             done[run_name(run)] = run
@@ -1395,7 +1517,10 @@ def run(args) -> dict:
     print(table)
     report = {"machine": machine(), "runs": runs}
     write_report(args.output, report, f"{table}\n")
-    plot(runs, Path(args.output).with_suffix(".png"))
+    seeds = Counter(run["variant"] for run in runs)
+    # A report of a few variants with many seeds each by variant, else the groups of contenders.
+    by_variant = max(seeds.values()) >= 3 and len(seeds) <= 12
+    (plot_by_variant if by_variant else plot)(runs, Path(args.output).with_suffix(".png"))
     return report
 
 

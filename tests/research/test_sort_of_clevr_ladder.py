@@ -122,3 +122,42 @@ def test_attention_on_object_is_one_on_the_named_object_and_its_area_when_unifor
     assert "on_object" in ladder.evaluate(FixedMaps(on), split) and "on_object" not in ladder.evaluate(
         AlwaysYes(), split
     )
+
+
+def test_coordinate_stem_keeps_the_colour_weights_and_adds_a_function_of_position_only():
+    torch.manual_seed(0)
+    conv = torch.nn.Conv2d(3, 8, 7, stride=2, padding=3)
+    stem = ladder.CoordinateStem(conv)
+    pixels = torch.rand(2, 3, 64, 64)
+    added = stem(pixels) - conv(pixels)
+    # What the coordinate channels add depends on where a cell is, not on the image: the same for both images,
+    # and for a black image, and not zero (the position does reach the features).
+    assert torch.allclose(added[0], added[1], atol=1e-5)
+    assert torch.allclose(added, stem(torch.zeros_like(pixels)) - conv(torch.zeros_like(pixels)), atol=1e-5)
+    assert added.abs().mean() > 0.01
+    # Zero coordinate weights give back the convolution it replaced.
+    with torch.no_grad():
+        stem.conv.weight[:, 3:] = 0
+    assert torch.allclose(stem(pixels), conv(pixels), atol=1e-6)
+
+
+def test_a_report_of_many_seeds_is_drawn_one_panel_per_variant(tmp_path, monkeypatch):
+    evaluation = {"step": 500, "seconds": 1.0, "non_relational": 0.5, "relational": 0.5}
+    evaluation |= dict.fromkeys(ladder.FAMILIES, 0.5)
+    runs = [
+        {"variant": "attention", "evaluations": [evaluation], "settings": {"seed": seed, "steps": 500}}
+        for seed in range(3)
+    ]
+    report = tmp_path / "seeds.json"
+    report.write_text(json.dumps({"runs": runs}))
+    drawn = []
+    monkeypatch.setattr(ladder, "plot_by_variant", lambda runs, path: drawn.append(("by variant", len(runs))))
+    monkeypatch.setattr(ladder, "plot", lambda runs, path: drawn.append(("groups", len(runs))))
+    ladder.main(["--merge", str(report), "--output", str(tmp_path / "merged")])
+    assert drawn[0] == ("by variant", 3)
+    report.write_text(json.dumps({"runs": runs[:2]}))  # two seeds: the groups of contenders, as before
+    ladder.main(["--merge", str(report), "--output", str(tmp_path / "two")])
+    assert drawn[-1] == ("groups", 2)
+    monkeypatch.undo()
+    ladder.plot_by_variant(runs, tmp_path / "drawn.png")
+    assert (tmp_path / "drawn.png").stat().st_size > 10_000
