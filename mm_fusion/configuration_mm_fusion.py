@@ -25,6 +25,9 @@ IMAGE_POOLING = ("mean", "cls", "flatten")
 JOINT_POOLING = ("concat", "concat_product", "text")
 FILM_INITS = ("zeros", "pytorch")
 FUSION_INITS = ("normal", "pytorch")
+FUSION_LAYER_ORDERS = ("cross_first", "self_first")
+# A text bridge on the text tower's word embeddings alone (its `get_input_embeddings()`, without positions).
+WORDS = "words"
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 
@@ -123,13 +126,26 @@ class MMFusionConfig(PretrainedConfig):
             Attention heads in each fusion attention. Defaults to the text tower's `num_attention_heads`.
         fusion_intermediate_size (`int`, *optional*):
             Width of the fusion feed-forward layers. Defaults to `4 * fusion_hidden_size`.
+        fusion_layer_order (`str`, *optional*, defaults to `"cross_first"`):
+            The order of the two attentions in each fusion layer's streams. `"cross_first"`: each token reads the other
+            modality with its query as the layer's input leaves it, then the tokens attend to each other, then the MLP;
+            `"self_first"`: self-attention, cross-attention, MLP (the order of a BERT decoder layer, and of every
+            model saved before this option existed, which loads with it). With `"cross_first"` and the first text
+            bridge on the word embeddings (the default `text_bridge_layers`), each word reads the image with a query
+            of its own, the same in every sentence it is in; on Sort-of-CLEVR that is what lets a read learned for
+            one question serve the others (`scripts/research/results/sort_of_clevr_ladder.md`, points 37-38).
         vision_bridge_layers (`list[int]`, *optional*):
             For `"hierarchical"`: which vision tower hidden states (0 = embeddings, `num_hidden_layers` = last layer)
             feed the fusion layers, one per fusion layer. Defaults to the last `num_fusion_layers` layers. For a
             backbone / convolutional tower these are stages: `stage_names[i]` of a backbone (0 = its stem), or
             `hidden_states[i]` of another convolutional model. Other fusion types read the last stage.
-        text_bridge_layers (`list[int]`, *optional*):
-            Same for the text tower.
+        text_bridge_layers (`list[int | str]`, *optional*):
+            The same for the text tower (0 = its embeddings, word and position), where an entry may also be `"words"`:
+            the tower's word embeddings alone (`get_input_embeddings()`, no positions). Defaults to `"words"` for the
+            first fusion layer and the other layers spread evenly up to the tower's last: `["words", L]` for two
+            fusion layers on a tower of `L` layers, `["words"]` for one. The first read's queries are then each word's
+            own, the same wherever the word stands and whatever the sentence around it; later layers bring the
+            tower's context.
         fusion_dropout (`float`, *optional*, defaults to 0.1):
             Dropout on the fusion layers' residual branches.
         fusion_attention_dropout (`float`, *optional*, defaults to 0.0):
@@ -234,6 +250,7 @@ class MMFusionConfig(PretrainedConfig):
         fusion_type: str = "hierarchical",
         fusion_hidden_size: int | None = None,
         fusion_direction: str = "bidirectional",
+        fusion_layer_order: str = "cross_first",
         num_fusion_layers: int = 2,
         fusion_num_attention_heads: int | None = None,
         fusion_intermediate_size: int | None = None,
@@ -282,8 +299,13 @@ class MMFusionConfig(PretrainedConfig):
             raise ValueError(
                 f"Unknown fusion_direction {fusion_direction!r}; valid values are {', '.join(FUSION_DIRECTIONS)}."
             )
+        if fusion_layer_order not in FUSION_LAYER_ORDERS:
+            raise ValueError(
+                f"Unknown fusion_layer_order {fusion_layer_order!r}; orders are {', '.join(FUSION_LAYER_ORDERS)}."
+            )
         self.fusion_type = fusion_type
         self.fusion_direction = fusion_direction
+        self.fusion_layer_order = fusion_layer_order
         self.fusion_hidden_size = fusion_hidden_size or self.text_config.hidden_size
         self.num_fusion_layers = num_fusion_layers
         self.fusion_num_attention_heads = fusion_num_attention_heads or getattr(
@@ -348,6 +370,13 @@ class MMFusionConfig(PretrainedConfig):
                 f"{self.image_mean} and {self.image_std}."
             )
         super().__init__(**kwargs)
+
+    @classmethod
+    def from_dict(cls, config_dict: dict, **kwargs):
+        # A config saved before `fusion_layer_order` existed describes a model whose layers attend to themselves first.
+        if "fusion_type" in config_dict and "fusion_layer_order" not in config_dict:
+            config_dict = {**config_dict, "fusion_layer_order": "self_first"}
+        return super().from_dict(config_dict, **kwargs)
 
     # The pipelines that serve the saved head travel with it: `custom_pipelines` entries and their code
     # (`custom_pipelines.py` says which, and why a task this process serves itself is not read back).
@@ -455,19 +484,30 @@ class MMFusionConfig(PretrainedConfig):
                 raise ValueError(
                     f"`{role}_bridge_layers` is required: {type(tower).__name__} has no num_hidden_layers."
                 )
-            if num_layers < self.num_fusion_layers:
+            readable = num_layers + 1 if role == "text" else num_layers  # the text bridges may read its embeddings
+            if readable < self.num_fusion_layers:
                 raise ValueError(
-                    f"The {role} tower has {num_layers} layers, fewer than "
+                    f"The {role} tower has {readable} hidden states to bridge, fewer than "
                     f"num_fusion_layers={self.num_fusion_layers}; pass `{role}_bridge_layers` explicitly."
                 )
+            if role == "text":  # the words first, then evenly up to the last layer
+                steps = max(self.num_fusion_layers - 1, 1)
+                return [WORDS] + [round(k * num_layers / steps) for k in range(1, self.num_fusion_layers)]
             return list(range(num_layers - self.num_fusion_layers + 1, num_layers + 1))
-        layers = [int(i) for i in layers]
+        words = f' or "{WORDS}"' if role == "text" else ""
+        numbers = [i for i in layers if not (role == "text" and i == WORDS)]
+        if not all(isinstance(i, int) or (isinstance(i, str) and i.isdigit()) for i in numbers):
+            raise ValueError(f"`{role}_bridge_layers` {layers} must be layer numbers{words}.")
+        layers = [i if role == "text" and i == WORDS else int(i) for i in layers]
         if len(layers) != self.num_fusion_layers:
             raise ValueError(
                 f"`{role}_bridge_layers` has {len(layers)} entries but num_fusion_layers is {self.num_fusion_layers}."
             )
-        if num_layers is not None and not all(0 <= i <= num_layers for i in layers):
-            raise ValueError(f"`{role}_bridge_layers` {layers} must lie in [0, {num_layers}] for this {role} tower.")
+        numbers = [i for i in layers if i != WORDS]
+        if num_layers is not None and not all(0 <= i <= num_layers for i in numbers):
+            raise ValueError(
+                f"`{role}_bridge_layers` {layers} must lie in [0, {num_layers}]{words} for this {role} tower."
+            )
         return layers
 
 

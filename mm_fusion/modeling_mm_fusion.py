@@ -16,7 +16,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPooling
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.utils import ModelOutput, can_return_tuple
 
-from .configuration_mm_fusion import MMFusionConfig
+from .configuration_mm_fusion import WORDS, MMFusionConfig
 from .distributed import all_gather_with_grad, broadcast_seed, gather_sizes, world
 from .image_maps import ImageMaps
 from .image_maps import image_maps as _image_maps
@@ -446,11 +446,16 @@ class MMFusionAttention(nn.Module):
 
 
 class MMFusionStreamBlock(nn.Module):
-    """One modality's half of a co-attention layer: self-attention, cross-attention to the other modality, MLP."""
+    """
+    One modality's half of a co-attention layer: cross-attention to the other modality, self-attention, MLP
+    (`config.fusion_layer_order="cross_first"`), or self-attention first (`"self_first"`), each a pre-LayerNorm
+    residual branch.
+    """
 
     def __init__(self, config: MMFusionConfig):
         super().__init__()
         hidden_size, eps = config.fusion_hidden_size, config.layer_norm_eps
+        self.cross_first = config.fusion_layer_order == "cross_first"
         self.self_attn_norm = nn.LayerNorm(hidden_size, eps=eps)
         self.self_attn = MMFusionAttention(config)
         self.cross_attn_norm = nn.LayerNorm(hidden_size, eps=eps)
@@ -480,20 +485,36 @@ class MMFusionStreamBlock(nn.Module):
         `context_positions` (`(S, D)`, the image tokens' with `vision_position_embedding="sine_attention"`) are added
         to this stream's / the context's tokens after the LayerNorms that feed the attentions.
         """
+        if self.cross_first:
+            hidden_states, cross_weights = self._cross(
+                hidden_states, context, context_mask, context_index, output_attentions, positions, context_positions
+            )
+            hidden_states, self_weights = self._self(hidden_states, self_mask, output_attentions, positions)
+        else:
+            hidden_states, self_weights = self._self(hidden_states, self_mask, output_attentions, positions)
+            hidden_states, cross_weights = self._cross(
+                hidden_states, context, context_mask, context_index, output_attentions, positions, context_positions
+            )
+        hidden_states = hidden_states + self.dropout(self.mlp(self.mlp_norm(hidden_states)))
+        return hidden_states, self_weights, cross_weights
+
+    def _self(self, hidden_states, self_mask, output_attentions, positions):
         x = self.self_attn_norm(hidden_states)
         x = x + positions if positions is not None else x
-        attn_out, self_weights = self.self_attn(x, x, self_mask, output_attentions=output_attentions)
-        hidden_states = hidden_states + self.dropout(attn_out)
+        attn_out, weights = self.self_attn(x, x, self_mask, output_attentions=output_attentions)
+        return hidden_states + self.dropout(attn_out), weights
+
+    def _cross(
+        self, hidden_states, context, context_mask, context_index, output_attentions, positions, context_positions
+    ):
         x = self.cross_attn_norm(hidden_states)
         x = x + positions if positions is not None else x
         context = self.context_norm(context)
         context = context + context_positions if context_positions is not None else context
-        attn_out, cross_weights = self.cross_attn(
+        attn_out, weights = self.cross_attn(
             x, context, context_mask, context_index, output_attentions=output_attentions
         )
-        hidden_states = hidden_states + self.dropout(attn_out)
-        hidden_states = hidden_states + self.dropout(self.mlp(self.mlp_norm(hidden_states)))
-        return hidden_states, self_weights, cross_weights
+        return hidden_states + self.dropout(attn_out), weights
 
 
 class MMFusionCoAttentionLayer(GradientCheckpointingLayer):
@@ -555,8 +576,12 @@ class MMFusionEncoder(nn.Module):
         super().__init__()
         hidden_size, eps = config.fusion_hidden_size, config.layer_norm_eps
         num_bridges = config.num_fusion_layers if config.fusion_type == "hierarchical" else 1
+        text_width = config.text_config.hidden_size
+        # The word embeddings may be narrower than the tower (ALBERT's `embedding_size`).
+        words_width = getattr(config.text_config, "embedding_size", None) or text_width
+        layers = config.text_bridge_layers or [None] * num_bridges
         self.text_bridges = nn.ModuleList(
-            nn.Linear(config.text_config.hidden_size, hidden_size) for _ in range(num_bridges)
+            nn.Linear(words_width if layers[k] == WORDS else text_width, hidden_size) for k in range(num_bridges)
         )
         # A feature-map tower's tokens are already a linear map to the fusion width (its 1x1 projection).
         projected = config.vision_tower_type != "transformer" and not config.feature_map_bridge
@@ -922,7 +947,9 @@ class MMFusionModel(MMFusionPreTrainedModel):
             **text_kwargs,
         )
         if hierarchical:
-            text_features = self._bridge_features(text_out, self.config.text_bridge_layers)
+            layers = self.config.text_bridge_layers
+            words = self.text_model.get_input_embeddings()(input_ids) if WORDS in layers else None
+            text_features = self._bridge_features(text_out, layers, words)
         else:
             text_features = [text_out.last_hidden_state]
         if self.vision_film is not None:
@@ -1038,11 +1065,17 @@ class MMFusionModel(MMFusionPreTrainedModel):
         return normalize_uint8_pixels(pixel_values, self.config.image_mean, self.config.image_std, self.dtype)
 
     @staticmethod
-    def _bridge_features(tower_out: ModelOutput, layers: list[int]) -> list[torch.Tensor]:
-        """Tower hidden states at the bridge layers; the last layer is read after the tower's final norm."""
+    def _bridge_features(
+        tower_out: ModelOutput, layers: list[int | str], words: torch.Tensor | None = None
+    ) -> list[torch.Tensor]:
+        """Tower hidden states at the bridge layers (the last read after the tower's final norm); `words`, the word
+        embeddings, where a text bridge is `"words"`."""
         hidden_states = tower_out.hidden_states
         last = len(hidden_states) - 1
-        return [_sequence(tower_out.last_hidden_state if i == last else hidden_states[i]) for i in layers]
+        return [
+            words if i == WORDS else _sequence(tower_out.last_hidden_state if i == last else hidden_states[i])
+            for i in layers
+        ]
 
     def fuse(
         self,

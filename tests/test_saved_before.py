@@ -86,6 +86,7 @@ def test_old_directory_saves_again_in_the_same_format(name, tmp_path):
         "vision_film_init": "zeros",
         "fusion_init": "normal",
         "feature_map_bridge": True,
+        "fusion_layer_order": "self_first",
     }
     assert not added.keys() & old.keys()
     assert _comparable(json.loads((tmp_path / "config.json").read_text())) == {**old, **added}

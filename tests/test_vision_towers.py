@@ -158,6 +158,7 @@ def test_sine_attention_positions_are_added_after_the_fusion_layernorms(tester, 
     layer.text_block.cross_attn.register_forward_pre_hook(keep("context"), with_kwargs=True)
     if direction == "bidirectional":
         layer.image_block.self_attn.register_forward_pre_hook(keep("image_self"), with_kwargs=True)
+        layer.image_block.self_attn_norm.register_forward_hook(lambda module, args, out: seen.__setitem__("norm", out))
     with torch.no_grad():
         tokens = base.encode_images(inputs["pixel_values"])[1]
         torch.testing.assert_close(tokens, unplaced.mm_fusion.encode_images(inputs["pixel_values"])[1])
@@ -169,7 +170,8 @@ def test_sine_attention_positions_are_added_after_the_fusion_layernorms(tester, 
     context = seen["context"][0][1]
     torch.testing.assert_close(context, layer.text_block.context_norm(image_in) + positions)
     if direction == "bidirectional":
-        torch.testing.assert_close(seen["image_self"][0][0], layer.image_block.self_attn_norm(image_in) + positions)
+        # The image stream's self-attention (after its read of the text, `cross_first`) gets them after its LayerNorm.
+        torch.testing.assert_close(seen["image_self"][0][0], seen["norm"] + positions)
     model.save_pretrained(tmp_path)
     reloaded = MMFusionForImageTextClassification.from_pretrained(tmp_path).eval()
     assert reloaded.config.vision_position_embedding == "sine_attention"

@@ -71,9 +71,10 @@ Contenders (`--variants`):
   self-attention (each token reads the image as the text tower leaves it), `_recipe_embeddings_no_text_self_attention`
   the same reading the embeddings (the colour token's query is the colour's alone, whatever the family), and
   `_recipe_embeddings_cross_first`, reading the embeddings with the fusion layer's two attentions swapped (the image
-  read first, then the tokens' self-attention); `_recipe_text_full_lr`, the recipe's model with the text tower at the
-  full learning rate, and `_recipe_uniform_read`, with the cross-attention's query map drawn as zero (every token reads
-  every cell alike at step 0); `_recipe_one_head`, with one attention head in place of four;
+  read first, then the tokens' self-attention; since point 38 the library's `fusion_layer_order="cross_first"`, with
+  the text bridge on the embeddings its default hierarchical layer); `_recipe_text_full_lr`, the recipe's model with
+  the text tower at the full learning rate, and `_recipe_uniform_read`, with the cross-attention's query map drawn as
+  zero (every token reads every cell alike at step 0); `_recipe_one_head`, with one attention head in place of four;
   `_recipe_positions_in_values`, with the image positions added to the cross-attention's values only, not its keys.
   Eleventh session: `_recipe_stem_coordinates`, the recipe's model with (x, y) appended to the pixels into the tower's
   first convolution (CoordConv), and `_stem_coordinates_no_positions` the same without the sine positions;
@@ -308,7 +309,17 @@ def recipe_config(**overrides):
     from mm_fusion.training.arguments import ModelArguments
     from mm_fusion.training.models import build_config
 
-    return build_config(ModelArguments(vision_tower="resnet", **overrides), IMAGE_SIZE, 20, 3, ANSWERS)
+    args = ModelArguments(vision_tower="resnet", **overrides)
+    # The rungs from before the library's `fusion_layer_order` and text bridge defaults (point 38) keep the model they
+    # ran with unless they name either: self-attention first, and the text tower's last layers bridged.
+    settings = [args.config_overrides] if args.config_overrides else []
+    if "fusion_layer_order" not in (args.config_overrides or ""):
+        settings.append("fusion_layer_order=self_first")
+    if "text_bridge_layers" not in (args.config_overrides or "") and args.fusion_type == "hierarchical":
+        last = range(args.text_layers - args.fusion_layers + 1, args.text_layers + 1)
+        settings.append(f"text_bridge_layers=[{','.join(map(str, last))}]")
+    args.config_overrides = ",".join(settings)
+    return build_config(args, IMAGE_SIZE, 20, 3, ANSWERS)
 
 
 def question_ids(question: torch.Tensor) -> torch.Tensor:
@@ -587,35 +598,6 @@ class NoAttention(nn.Module):
         return torch.zeros_like(hidden_states), None
 
 
-class CrossFirst(nn.Module):
-    """A fusion layer's text block with its two attentions swapped: each text token reads the image first (its query
-    as the layer's input leaves it), then the tokens attend to each other (the colour token's read reaches the
-    family's), then the MLP. The same modules and parameters as mm_fusion's block, in another order."""
-
-    def __init__(self, block: nn.Module):
-        super().__init__()
-        self.block = block
-
-    @property
-    def cross_attn(self) -> nn.Module:  # where mm_fusion.image_maps reads the attention
-        return self.block.cross_attn
-
-    def forward(self, hidden_states, context, self_mask, context_mask, context_index=None, output_attentions=False,
-                positions=None, context_positions=None):  # fmt: skip
-        block = self.block
-        context = block.context_norm(context)
-        context = context + context_positions if context_positions is not None else context
-        read, cross_weights = block.cross_attn(
-            block.cross_attn_norm(hidden_states), context, context_mask, context_index, output_attentions
-        )
-        hidden_states = hidden_states + block.dropout(read)
-        x = block.self_attn_norm(hidden_states)
-        mixed, self_weights = block.self_attn(x, x, self_mask, output_attentions=output_attentions)
-        hidden_states = hidden_states + block.dropout(mixed)
-        hidden_states = hidden_states + block.dropout(block.mlp(block.mlp_norm(hidden_states)))
-        return hidden_states, self_weights, cross_weights
-
-
 class PlusPositions(nn.Module):
     """A value map that adds the image tokens' positions (set per call in `positions`) to its input first."""
 
@@ -740,7 +722,6 @@ class MMFusion(nn.Module):
         block_mlp: bool = True,
         later_layers_zero: bool = False,
         text_self_attention: bool = True,
-        cross_first: bool = False,
         uniform_read: bool = False,
         positions_in_values: bool = False,
         stem_coordinates: bool = False,
@@ -809,9 +790,6 @@ class MMFusion(nn.Module):
         if stem_coordinates:  # (x, y) into the tower's first convolution (CoordConv)
             stem = self.model.mm_fusion.vision_model.embedder.embedder
             stem.convolution = CoordinateStem(stem.convolution)
-        if cross_first:  # the text reads the image before its tokens attend to each other
-            for layer in encoder.layers:
-                layer.text_block = CrossFirst(layer.text_block)
         if image_self_attention:  # each layer's image stream attends to itself first (once per image), then is read
             zero = image_self_attention == "zero_init"  # its residual branches drawn as zero
             encoder.layers = nn.ModuleList(ImageSelfFirst(layer, config, zero_init=zero) for layer in encoder.layers)
@@ -1121,9 +1099,8 @@ MM_HIERARCHICAL = {
     # ... or with both attentions, the image read first (as the layer's input leaves the tokens), then the tokens'
     # self-attention, which can bring the colour token's read to the family's.
     "mm_hier_one_layer_stem_recipe_embeddings_cross_first": {
-        "config_overrides": RECIPE_SINE_EMBEDDINGS,
+        "config_overrides": RECIPE_SINE_EMBEDDINGS + ",fusion_layer_order=cross_first",
         "text_lr_scale": 0.1,
-        "cross_first": True,
     },
     # Over seeds (tenth session): the recipe's model with the text tower at the full learning rate (its states, from
     # which the read's queries come, then move as fast as the read), ...
