@@ -126,26 +126,24 @@ class MMFusionConfig(PretrainedConfig):
             Attention heads in each fusion attention. Defaults to the text tower's `num_attention_heads`.
         fusion_intermediate_size (`int`, *optional*):
             Width of the fusion feed-forward layers. Defaults to `4 * fusion_hidden_size`.
-        fusion_layer_order (`str`, *optional*, defaults to `"cross_first"`):
-            The order of the two attentions in each fusion layer's streams. `"cross_first"`: each token reads the other
-            modality with its query as the layer's input leaves it, then the tokens attend to each other, then the MLP;
-            `"self_first"`: self-attention, cross-attention, MLP (the order of a BERT decoder layer, and of every
-            model saved before this option existed, which loads with it). With `"cross_first"` and the first text
-            bridge on the word embeddings (the default `text_bridge_layers`), each word reads the image with a query
-            of its own, the same in every sentence it is in; on Sort-of-CLEVR that is what lets a read learned for
-            one question serve the others (`scripts/research/results/sort_of_clevr_ladder.md`, points 37-38).
+        fusion_layer_order (`str`, *optional*, defaults to `"self_first"`):
+            The order of the two attentions in each fusion layer's streams. `"self_first"`: self-attention,
+            cross-attention, MLP (the order of a BERT decoder layer; models saved before this option load with it).
+            `"cross_first"`: each token reads the other modality with its query as the layer's input leaves it, then
+            the tokens attend to each other, then the MLP. With `"cross_first"` and the first text bridge on the word
+            embeddings (`text_bridge_layers=["words", ...]`), each word reads the image with a query of its own, the
+            same in every sentence it is in: on Sort-of-CLEVR that lets the read learned for one question serve the
+            others (`scripts/configs/sort_of_clevr_hierarchical.yaml` sets both; not yet the default, as easy-VQA's
+            default run learned more slowly with them: `scripts/research/results/sort_of_clevr_ladder.md`, 38-39).
         vision_bridge_layers (`list[int]`, *optional*):
             For `"hierarchical"`: which vision tower hidden states (0 = embeddings, `num_hidden_layers` = last layer)
             feed the fusion layers, one per fusion layer. Defaults to the last `num_fusion_layers` layers. For a
             backbone / convolutional tower these are stages: `stage_names[i]` of a backbone (0 = its stem), or
             `hidden_states[i]` of another convolutional model. Other fusion types read the last stage.
         text_bridge_layers (`list[int | str]`, *optional*):
-            The same for the text tower (0 = its embeddings, word and position), where an entry may also be `"words"`:
-            the tower's word embeddings alone (`get_input_embeddings()`, no positions). Defaults to `"words"` for the
-            first fusion layer and the other layers spread evenly up to the tower's last: `["words", L]` for two
-            fusion layers on a tower of `L` layers, `["words"]` for one. The first read's queries are then each word's
-            own, the same wherever the word stands and whatever the sentence around it; later layers bring the
-            tower's context.
+            The same for the text tower (0 = its embeddings, word and position). An entry may also be `"words"`: the
+            tower's word embeddings alone (`get_input_embeddings()`, no positions), so that each word's query is its
+            own wherever it stands and whatever the sentence around it (see `fusion_layer_order`).
         fusion_dropout (`float`, *optional*, defaults to 0.1):
             Dropout on the fusion layers' residual branches.
         fusion_attention_dropout (`float`, *optional*, defaults to 0.0):
@@ -250,7 +248,7 @@ class MMFusionConfig(PretrainedConfig):
         fusion_type: str = "hierarchical",
         fusion_hidden_size: int | None = None,
         fusion_direction: str = "bidirectional",
-        fusion_layer_order: str = "cross_first",
+        fusion_layer_order: str = "self_first",
         num_fusion_layers: int = 2,
         fusion_num_attention_heads: int | None = None,
         fusion_intermediate_size: int | None = None,
@@ -484,15 +482,11 @@ class MMFusionConfig(PretrainedConfig):
                 raise ValueError(
                     f"`{role}_bridge_layers` is required: {type(tower).__name__} has no num_hidden_layers."
                 )
-            readable = num_layers + 1 if role == "text" else num_layers  # the text bridges may read its embeddings
-            if readable < self.num_fusion_layers:
+            if num_layers < self.num_fusion_layers:
                 raise ValueError(
-                    f"The {role} tower has {readable} hidden states to bridge, fewer than "
+                    f"The {role} tower has {num_layers} layers, fewer than "
                     f"num_fusion_layers={self.num_fusion_layers}; pass `{role}_bridge_layers` explicitly."
                 )
-            if role == "text":  # the words first, then evenly up to the last layer
-                steps = max(self.num_fusion_layers - 1, 1)
-                return [WORDS] + [round(k * num_layers / steps) for k in range(1, self.num_fusion_layers)]
             return list(range(num_layers - self.num_fusion_layers + 1, num_layers + 1))
         words = f' or "{WORDS}"' if role == "text" else ""
         numbers = [i for i in layers if not (role == "text" and i == WORDS)]

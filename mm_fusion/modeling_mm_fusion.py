@@ -447,8 +447,8 @@ class MMFusionAttention(nn.Module):
 
 class MMFusionStreamBlock(nn.Module):
     """
-    One modality's half of a co-attention layer: cross-attention to the other modality, self-attention, MLP
-    (`config.fusion_layer_order="cross_first"`), or self-attention first (`"self_first"`), each a pre-LayerNorm
+    One modality's half of a co-attention layer: self-attention, cross-attention to the other modality, MLP
+    (`config.fusion_layer_order="self_first"`), or the cross-attention first (`"cross_first"`), each a pre-LayerNorm
     residual branch.
     """
 

@@ -139,7 +139,7 @@ def test_compose_pretrained_minilm_text_tower(tester, tmp_path):
     )
     config = model.config
     assert config.text_config.model_type == "bert" and config.text_config.hidden_size == 384
-    assert config.fusion_hidden_size == 384 and config.text_bridge_layers == ["words", 6]
+    assert config.fusion_hidden_size == 384 and config.text_bridge_layers == [5, 6]
 
     reference = AutoModel.from_pretrained(minilm_path).eval()
     tower_state = model.mm_fusion.text_model.state_dict()

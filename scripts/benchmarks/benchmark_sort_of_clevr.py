@@ -43,7 +43,8 @@ RUNS = {
     "late": ([MAIN, "--config_overrides", LATE_OVERRIDES], "late fusion (no FiLM): the question only in the head"),
     "hierarchical": (
         [HIERARCHICAL],
-        "mm_fusion's cross-attention, no FiLM: the question reads the ResNet's stem tokens, the head the text stream",
+        "mm_fusion's cross-attention, no FiLM: the question's words read the ResNet's stem tokens, each with its own "
+        "query (the read before the self-attention, the word embeddings bridged), the head the text stream",
     ),
     "hierarchical_seed_1": ([HIERARCHICAL, "--seed", "1"], "the hierarchical recipe, another initialisation"),
     # The ablations at half the budget (6 epochs): what they can learn they learn early, and the machine is shared.
@@ -53,9 +54,10 @@ RUNS = {
     "finetune_pretrained": ([SHORT], "VQA fine-tuning from the pretrain checkpoint"),
     "finetune_scratch": ([SHORT], "the same VQA fine-tuning from scratch"),
 }
-# Rows of the previous main recipe (ViT tower, hierarchical fusion, commit 11a0c7d's sort_of_clevr.yaml), kept in the
-# results for comparison; that recipe is no longer a run here.
-PREVIOUS = ("vit_hierarchical", "vit_late", "vit_image_only", "vit_text_only")
+# Rows of the previous main recipe (ViT tower, hierarchical fusion, commit 11a0c7d's sort_of_clevr.yaml), and of the
+# hierarchical recipe before its words' own queries (`hierarchical_self_first`), kept in the results for comparison;
+# those recipes are no longer runs here.
+PREVIOUS = ("vit_hierarchical", "vit_late", "vit_image_only", "vit_text_only", "hierarchical_self_first")
 ORDER = [*RUNS, *PREVIOUS, "question_only_ceiling"]
 TYPES = ("relational", "non_relational")
 FAMILIES = ("shape", "horizontal", "vertical", "closest", "furthest", "count")
