@@ -369,13 +369,6 @@ class MMFusionConfig(PretrainedConfig):
             )
         super().__init__(**kwargs)
 
-    @classmethod
-    def from_dict(cls, config_dict: dict, **kwargs):
-        # A config saved before `fusion_layer_order` existed describes a model whose layers attend to themselves first.
-        if "fusion_type" in config_dict and "fusion_layer_order" not in config_dict:
-            config_dict = {**config_dict, "fusion_layer_order": "self_first"}
-        return super().from_dict(config_dict, **kwargs)
-
     # The pipelines that serve the saved head travel with it: `custom_pipelines` entries and their code
     # (`custom_pipelines.py` says which, and why a task this process serves itself is not read back).
     @property
@@ -497,8 +490,7 @@ class MMFusionConfig(PretrainedConfig):
             raise ValueError(
                 f"`{role}_bridge_layers` has {len(layers)} entries but num_fusion_layers is {self.num_fusion_layers}."
             )
-        numbers = [i for i in layers if i != WORDS]
-        if num_layers is not None and not all(0 <= i <= num_layers for i in numbers):
+        if num_layers is not None and not all(0 <= int(i) <= num_layers for i in numbers):
             raise ValueError(
                 f"`{role}_bridge_layers` {layers} must lie in [0, {num_layers}]{words} for this {role} tower."
             )
