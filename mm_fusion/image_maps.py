@@ -74,13 +74,14 @@ def image_maps(
     image_index: torch.Tensor | None = None,
     method: str | None = None,
     targets: torch.Tensor | None = None,
-    token: int | None = None,
+    token: int | torch.Tensor | None = None,
 ) -> ImageMaps:
     """
     The maps of an `MMFusionForImageTextClassification` model for N image-text pairs (inputs as its `forward` takes
     them). `method` defaults to [`default_method`]; `targets` (Grad-CAM only) are the answers to explain, one per pair,
     by default the top answer; `token` (attention only) takes that token position's attention instead of the mean over
-    the text's real tokens. The model is left as it was (mode, gradients, hooks).
+    the text's real tokens: one position for every pair, or a `(N,)` tensor of one per pair (e.g. where each question
+    names its object). The model is left as it was (mode, gradients, hooks).
     """
     config = model.config
     method = method or default_method(config)
@@ -92,8 +93,17 @@ def image_maps(
         raise ValueError("`targets` choose the answer a Grad-CAM map explains; an attention map has none.")
     if token is not None and method != "attention":
         raise ValueError("`token` picks one text token's attention; a Grad-CAM map has no tokens.")
-    if token is not None and not 0 <= token < input_ids.shape[1]:
-        raise ValueError(f"`token` {token} is outside the texts' {input_ids.shape[1]} positions.")
+    if token is not None:
+        token = torch.as_tensor(token, dtype=torch.long)
+        if token.dim() > 1 or token.numel() not in (1, input_ids.shape[0]):
+            raise ValueError(
+                f"`token` takes one position or one per pair ({input_ids.shape[0]}), got {list(token.shape)}."
+            )
+        token = token.reshape(-1).expand(input_ids.shape[0])
+        outside = (token < 0) | (token >= input_ids.shape[1])
+        if outside.any():
+            first = token[outside][0].item()
+            raise ValueError(f"`token` {first} is outside the texts' {input_ids.shape[1]} positions.")
     inputs = {"pixel_values": pixel_values, "input_ids": input_ids, "attention_mask": attention_mask}
     if token_type_ids is not None:
         inputs["token_type_ids"] = token_type_ids
@@ -105,7 +115,7 @@ def image_maps(
     return _grad_cam(model, inputs, targets)
 
 
-def _attention_maps(model, inputs: dict, image_index: torch.Tensor | None, token: int | None) -> ImageMaps:
+def _attention_maps(model, inputs: dict, image_index: torch.Tensor | None, token: torch.Tensor | None) -> ImageMaps:
     blocks = [layer.text_block.cross_attn for layer in model.mm_fusion.encoder.layers]
     captured: list[torch.Tensor] = []
 
@@ -137,7 +147,7 @@ def _attention_maps(model, inputs: dict, image_index: torch.Tensor | None, token
         mask = torch.ones_like(inputs["input_ids"])
     if token is not None:
         mask = torch.zeros_like(mask)
-        mask[:, token] = 1
+        mask[torch.arange(len(token)), token] = 1
     weights = mask[:, None, :, None].to(captured[0].dtype)  # (B, 1, T, 1): the text's real tokens
     per_layer = []
     for probabilities in captured:

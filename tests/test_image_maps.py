@@ -43,6 +43,12 @@ def test_attention_maps_are_the_probabilities_the_model_attends_with(tester, fus
     one = model.image_maps(**inputs, token=1)
     first = outputs.text_to_image_attentions[0][:, :, 1].mean(1)
     torch.testing.assert_close(one.maps[:, 0].flatten(1), first[:, 1 if tower == "vit" else 0 :])
+    # One position per pair: each pair's map is that pair's token's.
+    positions = torch.tensor([2, 0, 1])
+    each = model.image_maps(**inputs, token=positions)
+    own = outputs.text_to_image_attentions[0][torch.arange(3), :, positions].mean(1)
+    torch.testing.assert_close(each.maps[:, 0].flatten(1), own[:, 1 if tower == "vit" else 0 :])
+    torch.testing.assert_close(each.maps[1], model.image_maps(**inputs, token=0).maps[1])
 
 
 def test_maps_of_texts_sharing_an_image(tester):
@@ -93,6 +99,10 @@ def test_wrong_requests_are_named(tester):
         fused.image_maps(**inputs, targets=torch.zeros(3, dtype=torch.long))
     with pytest.raises(ValueError, match="outside the texts' 7 positions"):
         fused.image_maps(**inputs, token=7)
+    with pytest.raises(ValueError, match="outside the texts' 7 positions"):
+        fused.image_maps(**inputs, token=torch.tensor([0, -1, 2]))
+    with pytest.raises(ValueError, match=r"one position or one per pair \(3\), got \[2\]"):
+        fused.image_maps(**inputs, token=torch.tensor([0, 1]))
 
 
 def test_peak_inside_takes_the_centre_of_the_highest_cell():

@@ -4,8 +4,10 @@ Every held-out Sort-of-CLEVR question names one object by its colour, and the ge
 For each question, the model's map (`MMFusionForImageTextClassification.image_maps`: the question's cross-attention per
 fusion layer, or Grad-CAM on the tower's last map read) is put on the image's pixels; the question counts as pointed
 at when the map's highest pixel lies inside the named object's square. Reported per method, layer and question
-family, with the model's answer accuracy on the same questions. For the non-relational families (shape, left, top)
-the named object is all a right answer needs; for the relational ones it is where the reading starts.
+family, with the model's answer accuracy on the same questions. For attention, the map is the mean over the question's
+tokens, and also (`attention_colour_word`) the attention of the word that names the colour alone. For the
+non-relational families (shape, left, top) the named object is all a right answer needs; for the relational ones it
+is where the reading starts.
 Chance: an object covers 10 x 10 of the 64 x 64 pixels, 2.4% of the image.
 
     python scripts/benchmarks/benchmark_pointing.py --model outputs/sort_of_clevr --run hierarchical
@@ -56,8 +58,26 @@ def held_out_questions(dataset_options: str, images: int):
     return test, torch.tensor(boxes)
 
 
-def measure(model, processor, test, boxes, method: str | None, batch_size: int = 64) -> dict:
-    """Pointing accuracy per layer and family (and overall for the non-relational families), answer accuracy."""
+def colour_word_positions(tokenizer, questions: list[str]) -> torch.Tensor:
+    """Per question, the position of the token that holds its colour word (the first, if the tokenizer splits it), as
+    the processor lays the question out."""
+    from mm_fusion.data.sort_of_clevr import COLOURS
+
+    pattern = re.compile(r"\b(" + "|".join(COLOURS) + r")\b")
+    questions = list(questions)
+    encoded = tokenizer(questions, return_offsets_mapping=True)
+    positions = []
+    for question, offsets in zip(questions, encoded["offset_mapping"]):
+        start = pattern.search(question).start()
+        positions.append(next(k for k, (a, b) in enumerate(offsets) if a <= start < b))
+    return torch.tensor(positions)
+
+
+def measure(
+    model, processor, test, boxes, method: str | None, batch_size: int = 64, colour_word: bool = False
+) -> dict:
+    """Pointing accuracy per layer and family (and overall for the non-relational families), answer accuracy. With
+    `colour_word` (attention only), the map is the colour word's attention alone, not the mean over the question."""
     from mm_fusion.image_maps import peak_inside
 
     pointed, right, families, layers, used = [], [], [], None, None
@@ -66,7 +86,8 @@ def measure(model, processor, test, boxes, method: str | None, batch_size: int =
     for start in range(0, len(test), batch_size):
         rows = test[start : start + batch_size]
         batch = processor(images=rows["image"], text=rows["question"])
-        result = model.image_maps(**batch, method=method)
+        token = colour_word_positions(processor.tokenizer, rows["question"]) if colour_word else None
+        result = model.image_maps(**batch, method=method, **({"token": token} if colour_word else {}))
         layers, used = result.layers, result.method
         height, width = batch["pixel_values"].shape[-2:]
         scale = torch.tensor([width, height, width, height]) / torch.tensor(
@@ -80,6 +101,8 @@ def measure(model, processor, test, boxes, method: str | None, batch_size: int =
     right = np.array(right, dtype=float)
     families = np.array(families)
     figures = {"method": used, "layers": layers, "questions": len(families), "per_layer": {}}
+    if colour_word:
+        figures["token"] = "colour word"
     non_relational = np.isin(families, NON_RELATIONAL)
     for k, layer in enumerate(layers):
         entry = {"non_relational": round(float(pointed[non_relational, k].mean()), 4)}
@@ -114,13 +137,14 @@ def grid_examples(test, count: int = 8) -> list[int]:
     return chosen
 
 
-def draw_grid(model, processor, test, boxes, path: str, method: str | None) -> None:
+def draw_grid(model, processor, test, boxes, path: str, method: str | None, colour_word: bool = False) -> None:
     from mm_fusion.image_maps import plot
 
     picked = grid_examples(test)
     rows = test.select(picked)[:]  # plain lists: a processor takes no `datasets` Column
     batch = processor(images=rows["image"], text=rows["question"])
-    result = model.image_maps(**batch, method=method)
+    token = {"token": colour_word_positions(processor.tokenizer, rows["question"])} if colour_word else {}
+    result = model.image_maps(**batch, method=method, **token)
     probabilities = result.logits.softmax(-1)
     names = model.config.id2label
     drawn = []
@@ -136,16 +160,21 @@ def draw_grid(model, processor, test, boxes, path: str, method: str | None) -> N
             "box": boxes[picked[k]].tolist(),
         })  # fmt: skip
     kind = "cross-attention" if result.method == "attention" else "Grad-CAM"
-    plot(drawn, path, title=f"{kind} on 8 held-out Sort-of-CLEVR questions (green: the named object; +: the peak)")
+    if colour_word:
+        title = "The colour word's attention\n(green: the named object; +: the peak)"
+    else:
+        title = f"{kind} on 8 held-out Sort-of-CLEVR questions (green: the named object; +: the peak)"
+    plot(drawn, path, title=title)
 
 
 def table(figures: dict) -> str:
     header = ["method", "layer", "non-relational", *FAMILIES]
     rows = []
+    method = figures["method"] + (f" ({figures['token']})" if "token" in figures else "")
     for layer, entry in figures["per_layer"].items():
         rows.append(
             [
-                figures["method"],
+                method,
                 layer,
                 f"{entry['non_relational']:.3f}",
                 *(f"{entry.get(f, float('nan')):.3f}" for f in FAMILIES),
@@ -174,10 +203,15 @@ def load(model_dir: str):
 
 
 def pointing(
-    model_dir: str, dataset_options: str | None = None, images: int = 1000, methods=(None,), grid: str | None = None
+    model_dir: str,
+    dataset_options: str | None = None,
+    images: int = 1000,
+    methods=(None,),
+    grid: str | None = None,
+    grid_colour_word: bool = False,
 ) -> dict:
     """The figures of a saved model, per method (`None`: the model's default, attention or Grad-CAM); with `grid`, the
-    8-question drawing of its default maps there too."""
+    8-question drawing of its default maps there too (of the colour word's attention with `grid_colour_word`)."""
     model, processor = load(model_dir)
     options = dataset_options or recipe_dataset_options()
     test, boxes = held_out_questions(options, images)
@@ -185,9 +219,12 @@ def pointing(
     for method in methods:
         figures = measure(model, processor, test, boxes, method)
         report["by_method"][figures["method"]] = figures
+        if figures["method"] == "attention":  # and the colour word's own map, beside the question's mean
+            word = measure(model, processor, test, boxes, method, colour_word=True)
+            report["by_method"]["attention_colour_word"] = word
     report["machine"] = machine()
     if grid:
-        draw_grid(model, processor, test, boxes, grid, None)
+        draw_grid(model, processor, test, boxes, grid, None, colour_word=grid_colour_word)
     return report
 
 
@@ -200,13 +237,14 @@ def main(argv=None) -> dict:
     parser.add_argument("--run", default=None, help="Add the figures to this row of results/sort_of_clevr.json.")
     parser.add_argument("--results", default=str(RESULTS / "sort_of_clevr.json"))
     parser.add_argument("--grid", default=None, help="Also draw 8 held-out questions with their maps to this PNG.")
+    parser.add_argument("--grid_colour_word", action="store_true", help="Draw the colour word's attention alone.")
     args = parser.parse_args(argv)
     methods = (None, "grad_cam") if args.grad_cam_too else (None,)
     path = ROOT / args.results
     rows = json.loads(path.read_text()) if args.run else {}
     if args.run and args.run not in rows:  # before any work
         raise SystemExit(f"--run {args.run}: no such row in {path} (rows: {', '.join(rows)}).")
-    report = pointing(args.model, args.dataset_options, args.images, methods, args.grid)
+    report = pointing(args.model, args.dataset_options, args.images, methods, args.grid, args.grid_colour_word)
     for figures in report["by_method"].values():
         print(table(figures))
     if args.grid:

@@ -47,6 +47,11 @@ RUNS = {
         "query (the read before the self-attention, the word embeddings bridged), the head the text stream",
     ),
     "hierarchical_seed_1": ([HIERARCHICAL, "--seed", "1"], "the hierarchical recipe, another initialisation"),
+    "cross_attention": (
+        [HIERARCHICAL, "--fusion_type", "cross_attention"],
+        "the hierarchical recipe with `cross_attention` fusion: the text tower's last layer reads the tower's last "
+        "stage (no bridges)",
+    ),
     # The ablations at half the budget (6 epochs): what they can learn they learn early, and the machine is shared.
     "image_only": ([MAIN, "--ablation", "image_only", *HALF], "questions blanked: the image alone, 6 epochs"),
     "text_only": ([MAIN, "--ablation", "text_only", *HALF], "images blanked: the question alone, 6 epochs"),
@@ -161,12 +166,14 @@ def question_only_ceiling(dataset_options: str) -> dict[str, float]:
 
 
 def pointing_cell(row: dict) -> str:
-    """The pointing accuracy on non-relational questions at each method's best layer, or "–" without a measure."""
+    """The pointing accuracy on non-relational questions at each method's best layer (and of the token it names, e.g.
+    the colour word's), or "–" without a measure."""
     if "pointing" not in row:
         return "–"
     parts = []
     for figures in row["pointing"]["by_method"].values():
-        parts.append(f"{figures['best_non_relational']:.3f} ({figures['best_layer']})")
+        where = figures["best_layer"] + (f", {figures['token']}" if "token" in figures else "")
+        parts.append(f"{figures['best_non_relational']:.3f} ({where})")
     return "; ".join(parts)
 
 

@@ -81,6 +81,9 @@ Contenders (`--variants`):
   `_recipe_bidirectional`, the recipe's model with co-attention (the image tokens read the question too) and the
   pooled image and its product with the pooled text in the joint vector (`_stem_coordinates`: with CoordConv too);
   `mm_hier_one_layer_stage1_recipe_film`, the recipe's model with FiLM in its tower (`vision_film`) reading stage 1.
+  Thirteenth session: `_recipe_embeddings_cross_first_image_self_attention`, `_recipe_embeddings_cross_first` with the
+  image tokens attending to each other (once per image, question-free) before the words read them, so that each
+  object's cell can hold its nearest and furthest object before the question's read reaches it.
 - `mm_fusion`: the Sort-of-CLEVR recipe's model (ResNet tower, hierarchical fusion, width 96, 2-layer BERT).
 - `mm_fusion_std01`: the same with `initializer_range=0.1` (fusion block and text tower).
 - `mm_fusion_film`: the recipe's model with `vision_film=True` (every ResNet stage scaled and shifted by a linear map
@@ -236,6 +239,7 @@ VARIANTS = (
     "mm_hier_one_layer_stem_recipe_no_text_self_attention",
     "mm_hier_one_layer_stem_recipe_embeddings_no_text_self_attention",
     "mm_hier_one_layer_stem_recipe_embeddings_cross_first",
+    "mm_hier_one_layer_stem_recipe_embeddings_cross_first_image_self_attention",
     "mm_hier_one_layer_stem_recipe_text_full_lr",
     "mm_hier_one_layer_stem_recipe_uniform_read",
     "mm_hier_one_layer_stem_recipe_one_head",
@@ -1101,6 +1105,13 @@ MM_HIERARCHICAL = {
     "mm_hier_one_layer_stem_recipe_embeddings_cross_first": {
         "config_overrides": RECIPE_SINE_EMBEDDINGS + ",fusion_layer_order=cross_first",
         "text_lr_scale": 0.1,
+    },
+    # The relational questions (thirteenth session): the image tokens attend to each other before the words read them
+    # (question-free, once per image), so an object's cell can gather its nearest and furthest object for the read.
+    "mm_hier_one_layer_stem_recipe_embeddings_cross_first_image_self_attention": {
+        "config_overrides": RECIPE_SINE_EMBEDDINGS + ",fusion_layer_order=cross_first",
+        "text_lr_scale": 0.1,
+        "image_self_attention": True,
     },
     # Over seeds (tenth session): the recipe's model with the text tower at the full learning rate (its states, from
     # which the read's queries come, then move as fast as the read), ...

@@ -77,3 +77,52 @@ def test_grid_draws_eight_non_relational_questions_of_distinct_images(tmp_path):
     assert {test[i]["question_family"] for i in picked} == set(bench.NON_RELATIONAL)
     bench.draw_grid(OracleModel(boxes, test["answer"]), fake_processor, test, boxes, str(tmp_path / "g.png"), None)
     assert (tmp_path / "g.png").stat().st_size > 10_000
+
+
+def test_colour_word_positions_find_the_token_that_names_the_colour():
+    from mm_fusion.data.sort_of_clevr import vocabulary_texts
+    from mm_fusion.tokenizer_training import train_tokenizer
+
+    test, _ = bench.held_out_questions(OPTIONS, images=3)
+    tokenizer = train_tokenizer(vocabulary_texts(), vocab_size=100)
+    questions = list(test["question"])
+    positions = bench.colour_word_positions(tokenizer, questions)
+    ids = tokenizer(questions)["input_ids"]
+    for question, position, row in zip(questions, positions.tolist(), ids):
+        colour = next(c for c in COLOURS if f" {c} " in question)
+        assert tokenizer.decode([row[position]]) == colour[: len(tokenizer.decode([row[position]]))] != ""
+        assert tokenizer.decode(row[position:]).replace(" ", "").startswith(colour)
+    # The families put the colour at different places, so the positions differ.
+    assert len(set(positions.tolist())) > 1
+
+
+class TokenOracle(OracleModel):
+    """Its map peaks on the named object only for the token asked for (the colour word), elsewhere for the mean."""
+
+    def image_maps(self, pixel_values, input_ids, attention_mask=None, method=None, token=None):
+        result = super().image_maps(pixel_values, input_ids, attention_mask, method)
+        if token is None:
+            result.maps = result.maps.flip(1)  # the mean: layer 1 off the object
+        return result
+
+
+def test_pointing_with_the_colour_word_passes_its_position_per_question():
+    test, boxes = bench.held_out_questions(OPTIONS, images=6)
+
+    class Processor:
+        def __init__(self):
+            from mm_fusion.data.sort_of_clevr import vocabulary_texts
+            from mm_fusion.tokenizer_training import train_tokenizer
+
+            self.tokenizer = train_tokenizer(vocabulary_texts(), vocab_size=100)
+
+        def __call__(self, images, text):
+            return fake_processor(images, text)
+
+    processor = Processor()
+    word = bench.measure(TokenOracle(boxes, test["answer"]), processor, test, boxes, None, 7, colour_word=True)
+    mean = bench.measure(TokenOracle(boxes, test["answer"]), processor, test, boxes, None, 7)
+    assert word["token"] == "colour word" and "token" not in mean
+    assert word["per_layer"]["fusion layer 1"]["non_relational"] == 1.0
+    assert mean["per_layer"]["fusion layer 1"]["non_relational"] == 0.0
+    assert "| attention (colour word) | fusion layer 1 | 1.000 |" in bench.table(word)

@@ -69,6 +69,8 @@ def test_table_and_plot(tmp_path):
     figures = {"best_non_relational": 0.912, "best_layer": "fusion layer 1"}
     rows["late"]["pointing"] = {"by_method": {"attention": figures}}
     rows["late"]["pointing"]["by_method"]["grad_cam"] = {"best_non_relational": 0.5, "best_layer": "Grad-CAM, stage 3"}
+    rows["late"]["pointing"]["by_method"]["attention_colour_word"] = {**figures, "best_non_relational": 0.99,
+                                                                      "token": "colour word"}  # fmt: skip
     rows["question_only_ceiling"] = {"run": "question_only_ceiling", "eval_accuracy": 0.4}
     recalls = {f"eval_{d}_R@{k}": k / 100 + (d == "image_to_text") / 1000 for d in ("text_to_image", "image_to_text")
                for k in (1, 5, 10)}  # fmt: skip
@@ -86,7 +88,7 @@ def test_table_and_plot(tmp_path):
         "epoch 1, 2.1 min into training | – | 10.0 min, 1 thread(s), sharing the machine |"
     )
     assert lines[3].startswith("| late | 0.630 | 0.990 |") and lines[3].endswith(
-        "| 0.800 | no | 0.912 (fusion layer 1); 0.500 (Grad-CAM, stage 3) "
+        "| 0.800 | no | 0.912 (fusion layer 1); 0.500 (Grad-CAM, stage 3); 0.990 (fusion layer 1, colour word) "
         "| 10.0 min, 1 thread(s), sharing the machine |"
     )
     assert (
