@@ -33,6 +33,13 @@ NON_RELATIONAL = ("shape", "horizontal", "vertical")
 FAMILIES = (*NON_RELATIONAL, "closest", "furthest", "count")
 
 
+def colour_pattern() -> re.Pattern:
+    """The colour word a question names its object by."""
+    from mm_fusion.data.sort_of_clevr import COLOURS
+
+    return re.compile(r"\b(" + "|".join(COLOURS) + r")\b")
+
+
 def recipe_dataset_options() -> str:
     return yaml.safe_load((ROOT / "scripts/configs/sort_of_clevr.yaml").read_text())["dataset_options"]
 
@@ -40,7 +47,6 @@ def recipe_dataset_options() -> str:
 def held_out_questions(dataset_options: str, images: int):
     """The test split's questions about its first `images` images (every family), with the named object's box."""
     from mm_fusion.data import load_sort_of_clevr
-    from mm_fusion.data.sort_of_clevr import COLOURS
     from mm_fusion.training import parse_overrides
 
     options = parse_overrides(dataset_options, flag="--dataset_options")
@@ -48,7 +54,7 @@ def held_out_questions(dataset_options: str, images: int):
     test = test.filter(lambda ids: [i < images for i in ids], input_columns="image_id", batched=True)
     size = options.get("object_size", 10)
     half = size // 2
-    pattern = re.compile(r"\b(" + "|".join(COLOURS) + r")\b")
+    pattern = colour_pattern()
     boxes = []
     for question, objects in zip(test["question"], test["objects"]):
         colour = pattern.search(question).group(1)
@@ -61,9 +67,7 @@ def held_out_questions(dataset_options: str, images: int):
 def colour_word_positions(tokenizer, questions: list[str]) -> torch.Tensor:
     """Per question, the position of the token that holds its colour word (the first, if the tokenizer splits it), as
     the processor lays the question out."""
-    from mm_fusion.data.sort_of_clevr import COLOURS
-
-    pattern = re.compile(r"\b(" + "|".join(COLOURS) + r")\b")
+    pattern = colour_pattern()
     questions = list(questions)
     encoded = tokenizer(questions, return_offsets_mapping=True)
     positions = []
