@@ -218,6 +218,13 @@ class MMFusionConfig(PretrainedConfig):
             The FiLM maps' initial weights: `"zeros"` (training starts from the unconditioned tower) or `"pytorch"`
             (drawn as PyTorch draws a new `nn.Linear`, so every question modulates the tower from the first step; the
             only one of the two with which FiLM learned on Sort-of-CLEVR in the ladder).
+        vision_text_attention (`bool`, *optional*, defaults to `False`):
+            Condition a backbone / convolutional vision tower on the text by cross-attention: after every stage but the
+            stem, each cell of the stage's map reads the text's tokens (the text tower's last layer) with a query from
+            its own channels, and what it reads is added to it. Unlike FiLM's one scale and shift for all cells, each
+            cell reads for itself, so the convolutions that follow see which cells the question is about. The same
+            consequences as `vision_film` (one tower run per pair; no pretraining head or `get_image_features`); the
+            two cannot be combined.
         image_mean (`list[float]`, *optional*, defaults to the ImageNet mean):
             Per-channel mean used when `pixel_values` arrive as uint8 in [0, 255] (as the data collator delivers
             them): the model then normalises them itself, on its device. Set it to the vision tower's own values
@@ -275,6 +282,7 @@ class MMFusionConfig(PretrainedConfig):
         vision_conv_stem: list[int] | None = None,
         vision_film: bool = False,
         vision_film_init: str = "zeros",
+        vision_text_attention: bool = False,
         fusion_init: str = "normal",
         feature_map_bridge: bool = True,
         **kwargs,
@@ -327,7 +335,18 @@ class MMFusionConfig(PretrainedConfig):
                 f"vision_film scales and shifts the stages of a backbone / convolutional vision tower; the "
                 f"{type(self.vision_config).__name__} tower is a transformer encoder."
             )
+        if vision_text_attention and self.vision_tower_type == "transformer":
+            raise ValueError(
+                f"vision_text_attention conditions the stages of a backbone / convolutional vision tower; the "
+                f"{type(self.vision_config).__name__} tower is a transformer encoder."
+            )
+        if vision_film and vision_text_attention:
+            raise ValueError(
+                "vision_film and vision_text_attention both condition the vision tower's stages on the text: choose "
+                "one."
+            )
         self.vision_film = bool(vision_film)
+        self.vision_text_attention = bool(vision_text_attention)
         if vision_film_init not in FILM_INITS:
             raise ValueError(
                 f"Unknown vision_film_init {vision_film_init!r}; valid values are {', '.join(FILM_INITS)}."

@@ -5,6 +5,10 @@ image by, for every image-text pair.
 - `"attention"` (cross-attention fusion: `hierarchical`, `cross_attention`): per fusion layer, the text-to-image
   attention probabilities averaged over heads and over the text's real tokens. A map sums to 1 over the image's
   grid; the share a leading [CLS]-like image token took (a ViT tower's) is reported apart.
+- `"tower_attention"` (a tower conditioned by `vision_text_attention`): per stage after the stem, the attention each
+  cell of the stage's map gives one text token (`token`, e.g. the word that names the object: a cell's attention sums
+  to 1 over the text, so there is no mean over the text to take), scaled to sum to 1 over the grid. Coarser stages
+  are put on the first stage's grid bilinearly (each cell's value at its centre).
 - `"grad_cam"` (any model, and the only choice for `late` fusion): Grad-CAM (Selvaraju et al. 2017,
   arXiv:1610.02391) on the last tower map the model reads, for the given answer: the map's channels weighted by the
   answer logit's gradient averaged over the grid, summed, rectified and scaled to sum to 1. The map is the tower's
@@ -23,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 
-METHODS = ("attention", "grad_cam")
+METHODS = ("attention", "tower_attention", "grad_cam")
 
 
 @dataclass
@@ -91,8 +95,19 @@ def image_maps(
         raise ValueError("A late-fusion model has no cross-attention to read its map from: use method='grad_cam'.")
     if targets is not None and method != "grad_cam":
         raise ValueError("`targets` choose the answer a Grad-CAM map explains; an attention map has none.")
-    if token is not None and method != "attention":
+    if token is not None and method == "grad_cam":
         raise ValueError("`token` picks one text token's attention; a Grad-CAM map has no tokens.")
+    if method == "tower_attention":
+        if getattr(model.mm_fusion, "vision_text_attention", None) is None:
+            raise ValueError(
+                "method='tower_attention' maps the reads of a tower conditioned by cross-attention "
+                "(config.vision_text_attention); this model's vision tower reads no text."
+            )
+        if token is None:
+            raise ValueError(
+                "method='tower_attention' needs `token`: a cell's attention sums to 1 over the text, so the map is "
+                "the attention the cells give one token (e.g. the word that names the object)."
+            )
     if token is not None:
         token = torch.as_tensor(token, dtype=torch.long)
         if token.dim() > 1 or token.numel() not in (1, input_ids.shape[0]):
@@ -109,6 +124,8 @@ def image_maps(
         inputs["token_type_ids"] = token_type_ids
     if method == "attention":
         return _attention_maps(model, inputs, image_index, token)
+    if method == "tower_attention":
+        return _tower_attention_maps(model, inputs, image_index, token)
     # Grad-CAM: one image per pair, so that a shared image's gradient is not the sum over its questions.
     if image_index is not None:
         inputs["pixel_values"] = pixel_values[image_index]
@@ -162,6 +179,35 @@ def _attention_maps(model, inputs: dict, image_index: torch.Tensor | None, token
         logits=logits.float(),
         targets=logits.argmax(-1),
         leading_share=stacked[..., :leading].sum(-1),
+    )
+
+
+def _tower_attention_maps(model, inputs: dict, image_index: torch.Tensor | None, token: torch.Tensor) -> ImageMaps:
+    reads = model.mm_fusion.vision_text_attention
+    reads.recorded = []
+    try:
+        with torch.no_grad():
+            logits = model(**inputs, image_index=image_index).logits
+        recorded = reads.recorded
+    finally:
+        reads.recorded = None
+    size = recorded[0][1]
+    offset = 1 if model.mm_fusion._vision_tower_type == "backbone" else 0  # a backbone's stage 0 is its stem
+    rows = torch.arange(len(token))
+    maps = []
+    for probabilities, (height, width) in recorded:
+        chosen = probabilities.mean(1)[rows, :, token.to(probabilities.device)]  # (N, height * width)
+        grid = chosen.reshape(-1, height, width)
+        if (height, width) != size:
+            grid = upsample(grid, size)
+        maps.append(grid / grid.flatten(1).sum(-1).clamp(min=1e-12)[:, None, None])
+    return ImageMaps(
+        maps=torch.stack(maps, dim=1),
+        layers=[f"vision stage {k + offset} read" for k in range(len(recorded))],
+        method="tower_attention",
+        logits=logits.float(),
+        targets=logits.argmax(-1),
+        leading_share=torch.zeros(len(token), len(recorded)),
     )
 
 
@@ -229,6 +275,21 @@ def peak_inside(maps: torch.Tensor, boxes: torch.Tensor, size: tuple[int, int]) 
     extra = (1,) * (y.dim() - 1)
     x0, y0, x1, y1 = (boxes[:, k].view(-1, *extra).float() for k in range(4))
     return (x >= x0 - 0.5) & (x <= x1 + 0.5) & (y >= y0 - 0.5) & (y <= y1 + 0.5)
+
+
+def reachable(grid: tuple[int, int], boxes: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+    """
+    Whether a map on a `grid` (height, width) of cells can peak inside each of `boxes` `(N, 4)` at all, on an image of
+    `size`: whether some cell's centre falls on one of the box's pixels. On a coarse grid a small object may hold no
+    cell's centre, so the share of True is the most [`peak_inside`] can give there. Returns a boolean `(N,)`.
+    """
+    (h, w), (height, width) = grid, size
+    rows = (torch.arange(h) + 0.5) * height / h - 0.5
+    columns = (torch.arange(w) + 0.5) * width / w - 0.5
+    x0, y0, x1, y1 = (boxes[:, k, None].float() for k in range(4))
+    across = ((columns >= x0 - 0.5) & (columns <= x1 + 0.5)).any(-1)
+    down = ((rows >= y0 - 0.5) & (rows <= y1 + 0.5)).any(-1)
+    return across & down
 
 
 def peak_pixels(maps: torch.Tensor, size: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -23,6 +23,7 @@ from .image_maps import image_maps as _image_maps
 from .vision_towers import (
     MMFusionFeatureMapTokens,
     MMFusionFiLMLinear,
+    MMFusionVisionCrossAttention,
     MMFusionVisionFiLM,
     accepts,
     build_tower_model,
@@ -732,7 +733,9 @@ class MMFusionPreTrainedModel(PreTrainedModel):
         mask = input_dict.get("attention_mask")
         tokens = int(mask.sum()) if mask is not None else input_ids.numel()
         pairs = input_ids.shape[0]
-        images = pairs if getattr(self.config, "vision_film", False) else pixel_values.shape[0]  # FiLM: one per text
+        config = self.config
+        conditioned = getattr(config, "vision_film", False) or getattr(config, "vision_text_attention", False)
+        images = pairs if conditioned else pixel_values.shape[0]  # a tower conditioned on the text: one per text
         return 6 * (vision * images * patches + text * tokens + rest * (tokens + pairs * patches))
 
     def _flop_parameter_counts(self, exclude_embeddings: bool) -> tuple[int, int, int]:
@@ -892,16 +895,21 @@ class MMFusionModel(MMFusionPreTrainedModel):
             self.feature_map_tokens = MMFusionFeatureMapTokens(
                 channels, config.vision_hidden_size, config.vision_position_embedding
             )
-        # FiLM: the text scales and shifts every stage of a backbone / convolutional tower (one tower run per pair).
-        self.vision_film = None
-        if getattr(config, "vision_film", False):
+        # The text conditions every stage after the stem of a backbone / convolutional tower (one tower run per pair):
+        # FiLM scales and shifts each stage, or each cell of each stage reads the text's tokens by cross-attention.
+        self.vision_film = self.vision_text_attention = None
+        if config.vision_film or config.vision_text_attention:
             count = num_stages(config.vision_config)
             stages = list(range(1, count)) if self._vision_tower_type == "backbone" else list(range(count))
-            self.vision_film = MMFusionVisionFiLM(
-                film_stages(self.vision_model, config.vision_config),
-                stage_channels(config.vision_config, stages),
-                config.text_config.hidden_size,
-            )
+            conditioned = film_stages(self.vision_model, config.vision_config)
+            channels = stage_channels(config.vision_config, stages)
+            text = config.text_config
+            if config.vision_film:
+                self.vision_film = MMFusionVisionFiLM(conditioned, channels, text.hidden_size)
+            else:
+                self.vision_text_attention = MMFusionVisionCrossAttention(
+                    conditioned, channels, text.hidden_size, text.num_attention_heads
+                )
         self.is_late = config.fusion_type == "late"
         self.encoder = None if self.is_late else MMFusionEncoder(config)
         # image_pooling="flatten" concatenates every token, in order: their number, found once (on the meta device).
@@ -935,7 +943,7 @@ class MMFusionModel(MMFusionPreTrainedModel):
         (`pixel_values[image_index]`), modulated by it: the image features are then one per text.
         """
         hierarchical = self.config.fusion_type == "hierarchical"
-        if self.vision_film is None:
+        if not self.text_conditions_vision:
             vision_out, image_features = self.encode_images(pixel_values, output_attentions, output_hidden_states)
         text_kwargs = {"token_type_ids": token_type_ids} if token_type_ids is not None else {}
         text_out = self.text_model(
@@ -952,12 +960,22 @@ class MMFusionModel(MMFusionPreTrainedModel):
             text_features = self._bridge_features(text_out, layers, words)
         else:
             text_features = [text_out.last_hidden_state]
-        if self.vision_film is not None:
-            text = pool(text_out.last_hidden_state, attention_mask, self.config.pooling_mode)
+        if self.text_conditions_vision:
             pixel_values = pixel_values[image_index] if image_index is not None else pixel_values
-            with self.vision_film.conditioned(text):
+            if self.vision_film is not None:
+                text = pool(text_out.last_hidden_state, attention_mask, self.config.pooling_mode)
+                conditioned = self.vision_film.conditioned(text)
+            else:
+                conditioned = self.vision_text_attention.conditioned(text_out.last_hidden_state, attention_mask)
+            with conditioned:
                 vision_out, image_features = self.encode_images(pixel_values, output_attentions, output_hidden_states)
         return vision_out, text_out, image_features, text_features
+
+    @property
+    def text_conditions_vision(self) -> bool:
+        """Whether the vision tower runs conditioned on each text (`vision_film` / `vision_text_attention`): it then
+        runs once per pair, and an image has no features without a text."""
+        return self.vision_film is not None or self.vision_text_attention is not None
 
     def encode_images(
         self, pixel_values: torch.Tensor, output_attentions: bool = False, output_hidden_states: bool = False
@@ -1021,10 +1039,10 @@ class MMFusionModel(MMFusionPreTrainedModel):
         Returns:
             [`MMFusionEncodingOutput`].
         """
-        if self.vision_film is not None:
+        if self.text_conditions_vision:
             raise ValueError(
-                "This model conditions its vision tower on each text (config.vision_film), so images have no features "
-                "apart from a text to encode them with: call the model on image-text pairs."
+                "This model conditions its vision tower on each text (config.vision_film / vision_text_attention), so "
+                "images have no features apart from a text to encode them with: call the model on image-text pairs."
             )
         _check_inputs(self.config, pixel_values, input_ids, paired=False)
         vision_out, text_out, image_features, text_features = self.encode_towers(
@@ -1222,7 +1240,7 @@ class MMFusionModel(MMFusionPreTrainedModel):
             image_features,
             text_features,
             attention_mask,
-            image_index=image_index if self.vision_film is None else None,  # FiLM: image features are per text
+            image_index=None if self.text_conditions_vision else image_index,  # else image features are per text
             output_attentions=output_attentions,
             output_hidden_states=output_hidden_states,
         )
@@ -1273,10 +1291,10 @@ class MMFusionModel(MMFusionPreTrainedModel):
         """
         if pixel_values is None:
             raise ValueError("get_image_features needs `pixel_values`.")
-        if self.vision_film is not None:
+        if self.text_conditions_vision:
             raise ValueError(
-                "This model conditions its vision tower on the text (config.vision_film): an image has no embedding "
-                "without a text. Call the model on image-text pairs."
+                "This model conditions its vision tower on the text (config.vision_film / vision_text_attention): an "
+                "image has no embedding without a text. Call the model on image-text pairs."
             )
         output_attentions, output_hidden_states = self._output_flags(output_attentions, output_hidden_states)
         if self._vision_tower_type == "transformer":
@@ -1556,10 +1574,11 @@ class MMFusionForPretraining(MMFusionPreTrainedModel):
     """
 
     def __init__(self, config: MMFusionConfig):
-        if getattr(config, "vision_film", False):
+        if getattr(config, "vision_film", False) or getattr(config, "vision_text_attention", False):
             raise ValueError(
                 "MMFusionForPretraining's contrastive loss needs an embedding per image apart from any text, which a "
-                "vision tower conditioned on the text (vision_film=True) does not give: set vision_film=False."
+                "vision tower conditioned on the text (vision_film / vision_text_attention) does not give: set both "
+                "to False."
             )
         super().__init__(config)
         self.mm_fusion = MMFusionModel(config, add_projection_layers=True)

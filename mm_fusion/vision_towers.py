@@ -323,7 +323,8 @@ def film_stages(tower: nn.Module, config: PretrainedConfig) -> nn.ModuleList:
     found = [m for m in tower.modules() if isinstance(m, nn.ModuleList) and len(m) == count]
     if len(found) != 1:
         raise ValueError(
-            f"vision_film scales and shifts each stage of the vision tower, found as its one module list with an "
+            f"vision_film / vision_text_attention condition each stage of the vision tower, found as its one module "
+            f"list with an "
             f"entry per stage after the stem ({count}); {type(tower).__name__} has {len(found)} such lists."
         )
     return found[0]
@@ -344,9 +345,9 @@ class MMFusionVisionFiLM(nn.Module):
     def __init__(self, stages: nn.ModuleList, channels: list[int], text_width: int):
         super().__init__()
         self.maps = nn.ModuleList(MMFusionFiLMLinear(text_width, 2 * c) for c in channels)
-        self._modulation: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self._condition: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         for index, stage in enumerate(stages):
-            stage.register_forward_hook(_FiLMHook(self, index))
+            stage.register_forward_hook(_StageHook(self, index))
 
     def conditioned(self, text: torch.Tensor) -> "_Conditioned":
         """A context in which the tower's stages are modulated by `text`, `(batch, text_width)` (one row per image)."""
@@ -356,30 +357,100 @@ class MMFusionVisionFiLM(nn.Module):
             modulation.append((scale, shift))
         return _Conditioned(self, modulation)
 
+    def condition_stage(self, index: int, hidden: torch.Tensor) -> torch.Tensor:
+        scale, shift = self._condition[index]
+        return hidden * (1 + scale) + shift
 
-class _FiLMHook:
+
+class _StageHook:
     """The forward hook of one stage: an object rather than a closure, so that `copy.deepcopy` of a model gives the
-    copy's hooks the copy's FiLM module (a closure would keep modulating through the original's)."""
+    copy's hooks the copy's conditioning module (a closure would keep conditioning through the original's)."""
 
-    def __init__(self, film: MMFusionVisionFiLM, index: int):
-        self.film, self.index = film, index
+    def __init__(self, owner: nn.Module, index: int):
+        self.owner, self.index = owner, index
 
     def __call__(self, module, args, output):
-        modulation = self.film._modulation
-        if modulation is None:  # the tower run without a text (not through `conditioned`)
+        if self.owner._condition is None:  # the tower run without a text (not through `conditioned`)
             return output
-        scale, shift = modulation[self.index]
         hidden = output[0] if isinstance(output, tuple) else output
-        hidden = hidden * (1 + scale) + shift
+        hidden = self.owner.condition_stage(self.index, hidden)
         return (hidden, *output[1:]) if isinstance(output, tuple) else hidden
 
 
 class _Conditioned:
-    def __init__(self, film: MMFusionVisionFiLM, modulation: list[tuple[torch.Tensor, torch.Tensor]]):
-        self.film, self.modulation = film, modulation
+    def __init__(self, owner: nn.Module, condition: list):
+        self.owner, self.condition = owner, condition
 
     def __enter__(self):
-        self.film._modulation = self.modulation
+        self.owner._condition = self.condition
 
     def __exit__(self, *exc):
-        self.film._modulation = None
+        self.owner._condition = None
+
+
+class MMFusionStageRead(nn.Module):
+    """
+    One stage's read of the text: the stage's cells (LayerNorm over channels, then a query each) attend over the
+    text's tokens, and what each cell reads, projected back to the stage's channels, is added to it.
+    """
+
+    def __init__(self, channels: int, text_width: int, num_heads: int):
+        super().__init__()
+        if text_width % num_heads:
+            raise ValueError(f"The text width {text_width} is not a multiple of the {num_heads} heads that read it.")
+        self.num_heads = num_heads
+        self.norm = nn.LayerNorm(channels)
+        self.query = nn.Linear(channels, text_width)
+        self.key = nn.Linear(text_width, text_width)
+        self.value = nn.Linear(text_width, text_width)
+        self.output = nn.Linear(text_width, channels)
+
+    def _heads(self, x: torch.Tensor) -> torch.Tensor:
+        return x.unflatten(-1, (self.num_heads, -1)).transpose(1, 2)
+
+    def probabilities(self, hidden: torch.Tensor, text: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """The attention each cell reads the text with, `(batch, heads, height * width, tokens)`."""
+        query = self._heads(self.query(self.norm(hidden.flatten(2).transpose(1, 2))))
+        scores = (query @ self._heads(self.key(text)).transpose(-1, -2)).float() / query.shape[-1] ** 0.5
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        return scores.softmax(-1)
+
+    def forward(self, hidden: torch.Tensor, text: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        batch, channels, height, width = hidden.shape
+        cells = self.norm(hidden.flatten(2).transpose(1, 2))  # (batch, height * width, channels)
+        query, key, value = self._heads(self.query(cells)), self._heads(self.key(text)), self._heads(self.value(text))
+        read = nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask)
+        read = self.output(read.transpose(1, 2).flatten(2))  # (batch, height * width, channels)
+        return hidden + read.transpose(1, 2).reshape(batch, channels, height, width)
+
+
+class MMFusionVisionCrossAttention(nn.Module):
+    """
+    A vision tower conditioned on the text by cross-attention: per stage after the stem, every cell of the stage's map
+    reads the text's tokens with a query from its own channels ([`MMFusionStageRead`]), and the read is added to it
+    before the next stage. Unlike FiLM, whose one scale and shift serve every cell, each cell reads for itself: the
+    cells of an object the question names can take the naming word's value and the others not, so the convolutions
+    after the read see where that object is. Forward hooks on the stage modules apply the reads, as for FiLM.
+    """
+
+    def __init__(self, stages: nn.ModuleList, channels: list[int], text_width: int, num_heads: int):
+        super().__init__()
+        self.reads = nn.ModuleList(MMFusionStageRead(c, text_width, num_heads) for c in channels)
+        self._condition: tuple[torch.Tensor, torch.Tensor | None] | None = None
+        # Set to a list to record each stage's read probabilities and grid (image_maps' "tower_attention" maps).
+        self.recorded: list[tuple[torch.Tensor, tuple[int, int]]] | None = None
+        for index, stage in enumerate(stages):
+            stage.register_forward_hook(_StageHook(self, index))
+
+    def conditioned(self, text: torch.Tensor, attention_mask: torch.Tensor | None = None) -> _Conditioned:
+        """A context in which the tower's stages read `text`, `(batch, tokens, text_width)` (one row per image),
+        whose padding `attention_mask` marks with 0."""
+        mask = None if attention_mask is None else attention_mask[:, None, None, :].bool()
+        return _Conditioned(self, (text, mask))
+
+    def condition_stage(self, index: int, hidden: torch.Tensor) -> torch.Tensor:
+        text, mask = self._condition
+        if self.recorded is not None:
+            self.recorded.append((self.reads[index].probabilities(hidden, text, mask), tuple(hidden.shape[-2:])))
+        return self.reads[index](hidden, text, mask)

@@ -8,9 +8,10 @@ colour bar, and the question -> answer and its score.
 
 Cross-attention models (`hierarchical`, `cross_attention`) show, per fusion layer, the question's attention over the
 image tokens, averaged over heads and over its real tokens (or one token's with `--token`); a leading [CLS]-like
-image token's share is reported apart. Late-fusion models (and any model with `--method grad_cam`) show Grad-CAM on
-the last tower map the model reads, for the answer given. The maps come from
-`MMFusionForImageTextClassification.image_maps`, as `pipeline(..., return_map=True)` gives them.
+image token's share is reported apart. A tower conditioned by cross-attention (`vision_text_attention`) shows, with
+`--method tower_attention --token N`, per stage the attention its cells give token N. Late-fusion models (and any model
+with `--method grad_cam`) show Grad-CAM on the last tower map the model reads, for the answer given. The maps come
+from `MMFusionForImageTextClassification.image_maps`, as `pipeline(..., return_map=True)` gives them.
 """
 
 import os
@@ -34,7 +35,8 @@ class VisualizeArguments:
     method: str | None = field(
         default=None,
         metadata={
-            "help": "attention (cross-attention fusion's default) or grad_cam (late fusion's, and any model's)."
+            "help": "attention (cross-attention fusion's default), grad_cam (late fusion's, and any model's) or "
+            "tower_attention (a tower conditioned by vision_text_attention: the cells' attention to --token)."
         },
     )
     token: int | None = field(default=None, metadata={"help": "One token position instead of the mean over tokens."})
@@ -50,6 +52,8 @@ def parse_args(argv: list[str] | None = None) -> VisualizeArguments:
         parser.error(f"--method {args.method}: choose from {', '.join(METHODS)}.")
     if args.token is not None and args.method == "grad_cam":
         parser.error("--token picks one token's attention; a Grad-CAM map has no tokens.")
+    if args.method == "tower_attention" and args.token is None:
+        parser.error("--method tower_attention maps the attention the cells give one token: give --token.")
     if len(args.image) not in (1, len(args.question)):
         parser.error(f"--image: give one image, or one per question ({len(args.question)}); got {len(args.image)}.")
     try:
@@ -97,7 +101,8 @@ def main(argv: list[str] | None = None) -> str:
                 "layers": layers,
             }
         )
-    kind = "attention over the image" if result.method == "attention" else "Grad-CAM"
+    kinds = {"attention": "attention over the image", "tower_attention": "the tower's reads", "grad_cam": "Grad-CAM"}
+    kind = kinds[result.method]
     plot(rows, args.output, title=f"{kind}: where the model looked")
     for row in rows:
         print(f"{row['answer']} ({row['score']:.3f}); {kind} in {args.output}", file=sys.stderr)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from mm_fusion import MMFusionForImageTextClassification
-from mm_fusion.image_maps import peak_inside, upsample
+from mm_fusion.image_maps import peak_inside, reachable, upsample
 
 
 def classifier(tester, fusion_type: str, tower: str, **kwargs) -> MMFusionForImageTextClassification:
@@ -87,6 +87,40 @@ def test_grad_cam_of_a_film_model_follows_the_question(tester):
     assert not torch.allclose(result.maps[0], result.maps[1])
 
 
+def test_tower_attention_maps_are_the_attention_the_cells_give_the_token(tester):
+    """A tower conditioned by cross-attention (`vision_text_attention`): per stage after the stem, the share of each
+    cell's attention on the chosen token, from the read's own projections (heads averaged), summing to 1 over the grid;
+    the coarser stage on the first stage's grid."""
+    model = classifier(tester, "hierarchical", "resnet", vision_text_attention=True)
+    inputs = tester.inputs()
+    reads = model.mm_fusion.vision_text_attention.reads
+    seen = []
+    handles = [r.register_forward_pre_hook(lambda module, args: seen.append((module, args))) for r in reads]
+    positions = torch.tensor([2, 0, 1])
+    try:
+        result = model.image_maps(**inputs, method="tower_attention", token=positions)
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert result.method == "tower_attention" and result.layers == ["vision stage 1 read", "vision stage 2 read"]
+    assert result.maps.shape == (3, 2, 8, 8)  # stage 1 is 8 x 8, stage 2 (4 x 4) put on its grid
+    torch.testing.assert_close(result.maps.sum((-1, -2)), torch.ones(3, 2))
+    module, (hidden, text, mask) = seen[0]
+    assert module is reads[0] and hidden.shape[-2:] == (8, 8)
+    heads = module.num_heads
+    cells = torch.nn.functional.layer_norm(hidden.flatten(2).transpose(1, 2), (hidden.shape[1],), module.norm.weight,
+                                           module.norm.bias)  # fmt: skip
+    query = module.query(cells).unflatten(-1, (heads, -1))  # (N, cells, heads, size)
+    key = module.key(text).unflatten(-1, (heads, -1))  # (N, tokens, heads, size)
+    scores = torch.einsum("nchd,nthd->nhct", query, key) / query.shape[-1] ** 0.5
+    scores = scores.masked_fill(inputs["attention_mask"][:, None, None, :] == 0, float("-inf"))
+    on_token = scores.softmax(-1).mean(1)[torch.arange(3), :, positions]  # (N, cells)
+    torch.testing.assert_close(result.maps[:, 0].flatten(1), on_token / on_token.sum(-1, keepdim=True))
+    with torch.no_grad():
+        torch.testing.assert_close(result.logits, model(**inputs).logits)
+    assert model.mm_fusion.vision_text_attention.recorded is None  # the model is left as it was
+
+
 def test_wrong_requests_are_named(tester):
     late = classifier(tester, "late", "resnet")
     inputs = tester.inputs()
@@ -103,6 +137,11 @@ def test_wrong_requests_are_named(tester):
         fused.image_maps(**inputs, token=torch.tensor([0, -1, 2]))
     with pytest.raises(ValueError, match=r"one position or one per pair \(3\), got \[2\]"):
         fused.image_maps(**inputs, token=torch.tensor([0, 1]))
+    with pytest.raises(ValueError, match="this model's vision tower reads no text"):
+        fused.image_maps(**inputs, method="tower_attention", token=1)
+    reading = classifier(tester, "hierarchical", "resnet", vision_text_attention=True)
+    with pytest.raises(ValueError, match="method='tower_attention' needs `token`"):
+        reading.image_maps(**inputs, method="tower_attention")
 
 
 def test_peak_inside_takes_the_centre_of_the_highest_cell():
@@ -115,5 +154,9 @@ def test_peak_inside_takes_the_centre_of_the_highest_cell():
     assert peak_inside(maps, boxes, (64, 64)).tolist() == [True, False, True, True]
     assert not peak_inside(maps[:1], torch.tensor([[41, 24, 50, 33]]), (64, 64)).item()  # the centre just outside
     assert upsample(maps, (64, 64)).shape == (4, 64, 64)
+    # Whether a grid can point inside a box at all: 4 x 4 cells on 64 px are centred at 7.5, 23.5, 39.5 and 55.5.
+    small = torch.tensor([[9, 9, 18, 18], [20, 20, 29, 29], [9, 40, 18, 49]])  # none; (23.5, 23.5); y only
+    assert reachable((4, 4), small, (64, 64)).tolist() == [False, True, False]
+    assert reachable((8, 8), small, (64, 64)).all()  # 8-px cells: a 10-px box always holds a centre
     # Per layer: (N, L, h, w) maps give (N, L).
     assert peak_inside(torch.stack([maps, maps.flip(0)], 1), boxes, (64, 64)).shape == (4, 2)

@@ -121,7 +121,7 @@ class MMFusionCommonTester:
 
     def get_config(self) -> MMFusionConfig:
         extra = {}
-        if self.vision_tower in ("resnet", "resnet_film"):  # a backbone: its feature maps become the image tokens
+        if self.vision_tower.startswith("resnet"):  # a backbone: its feature maps become the image tokens
             vision_config = self.shared.resnet_config()
         else:
             vision_config = self.shared.vision_config(patch_size=self.patch_size)
@@ -129,6 +129,8 @@ class MMFusionCommonTester:
             extra["vision_conv_stem"] = [8]
         if self.vision_tower == "resnet_film":  # its stages scaled and shifted by the text
             extra["vision_film"] = True
+        if self.vision_tower == "resnet_text_attention":  # its stages' cells read the text by cross-attention
+            extra["vision_text_attention"] = True
         return self.shared.config(
             self.fusion_type, fusion_direction=self.fusion_direction, vision_config=vision_config, **extra
         )
@@ -155,8 +157,8 @@ class MMFusionCommonTests(common.ModelTesterMixin):
 
     fusion_type: str
     fusion_direction = "bidirectional"
-    # "resnet": a backbone tower; "resnet_film": the same conditioned on the text; "conv_stem": a ViT with a
-    # convolutional stem
+    # "resnet": a backbone tower; "resnet_film" / "resnet_text_attention": the same conditioned on the text by FiLM /
+    # by cross-attention; "conv_stem": a ViT with a convolutional stem
     vision_tower = "vit"
     all_model_classes = (MMFusionModel, *HEADS)
     heads = HEADS  # the classes with a loss
@@ -206,7 +208,7 @@ class MMFusionCommonTests(common.ModelTesterMixin):
         t = self.model_tester
         B, T, P, D, H = t.batch_size, t.seq_length, (t.image_size // t.patch_size) ** 2 + 1, t.hidden_size, 4
         L = t.num_hidden_layers  # both towers and the fusion block have this many layers
-        if self.vision_tower not in ("resnet", "resnet_film"):
+        if not self.vision_tower.startswith("resnet"):
             return expected_output_shapes(B, T, P, D, H, L, self.fusion_type, self.fusion_direction)
         # ResNet at 30 px: stem 8x8 (8 channels), stage1 8x8 (8), stage2 4x4 (16). Hierarchical fusion reads stages
         # 1 and 2 on the finer 8x8 grid, the others stage 2 (4x4), as tokens of the fusion width.
@@ -380,3 +382,10 @@ class MMFusionResNetFiLMTest(MMFusionCommonTests, unittest.TestCase):
     @unittest.skip(_NO_IMAGE_FEATURES)
     def test_get_image_features_hidden_states(self):
         pass
+
+
+class MMFusionResNetTextAttentionTest(MMFusionResNetFiLMTest):
+    """A backbone tower whose stages' cells read the text by cross-attention (vision_text_attention); like FiLM, an
+    image has no features without its text (tests/test_vision_text_attention.py)."""
+
+    vision_tower = "resnet_text_attention"

@@ -197,19 +197,20 @@ def test_shipped_recipes_parse(name):
 
 
 def test_hierarchical_recipe_launches_the_model_it_describes(tmp_path):
-    """scripts/configs/sort_of_clevr_hierarchical.yaml, on a few images for two steps: one text-to-image layer reading
-    the ResNet's stem tokens (no second linear map after their projection) with the words' own queries, the head on
-    the text stream alone."""
+    """scripts/configs/sort_of_clevr_hierarchical.yaml, on a few images for two steps: the ResNet's stages reading the
+    question by cross-attention, then one text-to-image layer reading the last stage's tokens (no second linear map
+    after their projection) with the words' own queries, the head on the text stream alone."""
     recipe = str(ROOT / "scripts" / "configs" / "sort_of_clevr_hierarchical.yaml")
     flags = ["--dataset_options", "num_train_images=16,num_test_images=4,seed=5", "--max_steps", "2"]
     trainer = setup_run([recipe, *flags, "--output_dir", str(tmp_path), "--disable_tqdm", "True"])
     train_and_save(trainer)
     config = json.loads((tmp_path / "config.json").read_text())
     assert config["fusion_type"] == "hierarchical" and config["fusion_direction"] == "text_to_image"
-    assert config["num_fusion_layers"] == 1 and config["vision_bridge_layers"] == [0]
-    # The library's defaults: the question's words read the image first, each by its own word embedding.
+    assert config["vision_text_attention"] is True and not config["vision_film"]
+    assert config["num_fusion_layers"] == 1 and config["vision_bridge_layers"] == [3]
+    assert config["vision_config"]["model_type"] == "resnet" and len(config["vision_config"]["hidden_sizes"]) == 3
+    assert len(trainer.model.mm_fusion.vision_text_attention.reads) == 3  # every stage after the stem reads
     assert config["text_bridge_layers"] == ["words"] and config["fusion_layer_order"] == "cross_first"
     assert config["joint_pooling"] == "text" and config["feature_map_bridge"] is False
     assert config["vision_position_embedding"] == "sine_attention"
-    assert config["vision_config"]["model_type"] == "resnet" and not config["vision_film"]
     assert trainer.state.global_step == 2

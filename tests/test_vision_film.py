@@ -49,21 +49,26 @@ def test_film_starts_as_the_unconditioned_model(tester, fusion_type):
         assert not torch.allclose(film(**inputs).logits, plain(**inputs).logits, atol=1e-4)
 
 
-def test_film_conditions_each_image_on_its_own_text(tester):
-    """Two texts about one image (`image_index`) see different tower features, each the same as that pair run alone;
-    the tower runs once per text."""
-    model = MMFusionForImageTextClassification(film_config(tester, fusion_type="cross_attention")).eval()
-    randomise_film(model)
-    inputs = tester.inputs()  # 3 texts, 3 images
+def check_each_image_conditioned_on_its_own_text(model, inputs: dict) -> None:
+    """Two texts about one image (`image_index`) see different tower features, each the same as that pair run alone
+    and unlike the unconditioned tower's; the tower runs once per text."""
     index = torch.tensor([1, 1, 0])
     with torch.no_grad():
         shared = model(**inputs, image_index=index, output_hidden_states=True)
         paired = model(**{**inputs, "pixel_values": inputs["pixel_values"][index]}, output_hidden_states=True)
+        unconditioned, _ = model.mm_fusion.encode_images(inputs["pixel_values"][index], output_hidden_states=True)
     last = shared.vision_hidden_states[-1]
     assert last.shape[0] == 3  # one tower run per text
     assert not torch.allclose(last[0], last[1], atol=1e-4)  # same image, different texts
+    assert not torch.allclose(last, unconditioned.hidden_states[-1], atol=1e-4)  # the text changes the tower
     torch.testing.assert_close(last, paired.vision_hidden_states[-1])
     torch.testing.assert_close(shared.logits, paired.logits)
+
+
+def test_film_conditions_each_image_on_its_own_text(tester):
+    model = MMFusionForImageTextClassification(film_config(tester, fusion_type="cross_attention")).eval()
+    randomise_film(model)
+    check_each_image_conditioned_on_its_own_text(model, tester.inputs())  # 3 texts, 3 images
 
 
 def test_film_trains_saves_and_reloads(tester, tmp_path):
@@ -93,11 +98,14 @@ def test_film_trains_saves_and_reloads(tester, tmp_path):
 def test_film_refuses_what_needs_an_image_without_its_text(tester):
     with pytest.raises(ValueError, match="vision_film scales and shifts .* the ViTConfig tower is a transformer"):
         tester.config(vision_film=True)
-    config = film_config(tester)
+    check_refuses_an_image_without_its_text(film_config(tester), tester.inputs())
+
+
+def check_refuses_an_image_without_its_text(config: MMFusionConfig, inputs: dict) -> None:
+    """A tower conditioned on the text gives no image embedding apart from a text: what needs one says so."""
     with pytest.raises(ValueError, match="contrastive loss needs an embedding per image"):
         MMFusionForPretraining(copy.deepcopy(config))
     model = MMFusionModel(config)
-    inputs = tester.inputs()
     with pytest.raises(ValueError, match="an image has no embedding without a text"):
         model.get_image_features(inputs["pixel_values"])
     with pytest.raises(ValueError, match="images have no features apart from a text"):

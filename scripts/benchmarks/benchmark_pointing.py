@@ -5,10 +5,14 @@ For each question, the model's map (`MMFusionForImageTextClassification.image_ma
 fusion layer, or Grad-CAM on the tower's last map read) is put on the image's pixels; the question counts as pointed
 at when the map's highest pixel lies inside the named object's square. Reported per method, layer and question
 family, with the model's answer accuracy on the same questions. For attention, the map is the mean over the question's
-tokens, and also (`attention_colour_word`) the attention of the word that names the colour alone. For the
+tokens, and also (`attention_colour_word`) the attention of the word that names the colour alone. A tower conditioned
+by cross-attention (`vision_text_attention`) adds `tower_attention_colour_word`: per stage, the attention its cells
+give the colour word. For the
 non-relational families (shape, left, top) the named object is all a right answer needs; for the relational ones it
 is where the reading starts.
-Chance: an object covers 10 x 10 of the 64 x 64 pixels, 2.4% of the image.
+Chance: an object covers 10 x 10 of the 64 x 64 pixels, 2.4% of the image. On a coarse grid a small object may hold
+no cell's centre at all; `reachable_non_relational` is the share of non-relational questions whose object holds one,
+the most a map on that grid can score (1.0 from 8 x 8 cells up at 64 px; about 0.55 on a 4 x 4 grid).
 
     python scripts/benchmarks/benchmark_pointing.py --model outputs/sort_of_clevr --run hierarchical
     python scripts/benchmarks/benchmark_pointing.py --model outputs/sort_of_clevr --grid pointing_grid.png
@@ -82,9 +86,9 @@ def measure(
 ) -> dict:
     """Pointing accuracy per layer and family (and overall for the non-relational families), answer accuracy. With
     `colour_word` (attention only), the map is the colour word's attention alone, not the mean over the question."""
-    from mm_fusion.image_maps import peak_inside
+    from mm_fusion.image_maps import peak_inside, reachable
 
-    pointed, right, families, layers, used = [], [], [], None, None
+    pointed, possible, right, families, layers, used = [], [], [], [], None, None
     names = model.config.id2label
     answers = test.features["answer"].names
     for start in range(0, len(test), batch_size):
@@ -99,15 +103,19 @@ def measure(
         )
         box = (boxes[start : start + batch_size].float() * scale).round().long()
         pointed.append(peak_inside(result.maps, box, (height, width)))
+        possible.append(reachable(tuple(result.maps.shape[-2:]), box, (height, width)))
         right += [names[int(p)] == answers[a] for p, a in zip(result.logits.argmax(-1), rows["answer"])]
         families += rows["question_family"]
     pointed = torch.cat(pointed).float().numpy()  # (questions, layers)
+    possible = torch.cat(possible).float().numpy()  # (questions,): the maps' grid holds a cell centred in the object
     right = np.array(right, dtype=float)
     families = np.array(families)
     figures = {"method": used, "layers": layers, "questions": len(families), "per_layer": {}}
     if colour_word:
         figures["token"] = "colour word"
     non_relational = np.isin(families, NON_RELATIONAL)
+    # The most the maps' grid allows: a question counts only where some cell's centre lies inside its object.
+    figures["reachable_non_relational"] = round(float(possible[non_relational].mean()), 4)
     for k, layer in enumerate(layers):
         entry = {"non_relational": round(float(pointed[non_relational, k].mean()), 4)}
         entry |= {f: round(float(pointed[families == f, k].mean()), 4) for f in FAMILIES if (families == f).any()}
@@ -163,8 +171,11 @@ def draw_grid(model, processor, test, boxes, path: str, method: str | None, colo
             "layers": result.layers,
             "box": boxes[picked[k]].tolist(),
         })  # fmt: skip
-    kind = "cross-attention" if result.method == "attention" else "Grad-CAM"
-    if colour_word:
+    kinds = {"attention": "cross-attention", "tower_attention": "The tower's reads", "grad_cam": "Grad-CAM"}
+    kind = kinds[result.method]
+    if colour_word and result.method == "tower_attention":
+        title = "The attention the tower's cells give the colour word\n(green: the named object; +: the peak)"
+    elif colour_word:
         title = "The colour word's attention\n(green: the named object; +: the peak)"
     else:
         title = f"{kind} on 8 held-out Sort-of-CLEVR questions (green: the named object; +: the peak)"
@@ -193,6 +204,8 @@ def table(figures: dict) -> str:
             *(f"{answers.get(f, float('nan')):.3f}" for f in FAMILIES),
         ]
     )
+    if "reachable_non_relational" in figures:  # measured since 2026-11-27
+        rows.append(["(the most this grid allows)", "", f"{figures['reachable_non_relational']:.3f}", *[""] * 6])
     return markdown_table(header, rows)
 
 
@@ -213,9 +226,11 @@ def pointing(
     methods=(None,),
     grid: str | None = None,
     grid_colour_word: bool = False,
+    grid_method: str | None = None,
 ) -> dict:
-    """The figures of a saved model, per method (`None`: the model's default, attention or Grad-CAM); with `grid`, the
-    8-question drawing of its default maps there too (of the colour word's attention with `grid_colour_word`)."""
+    """The figures of a saved model, per method (`None`: the model's default, attention or Grad-CAM; a tower
+    conditioned by `vision_text_attention` adds its reads of the colour word); with `grid`, the 8-question drawing of
+    its maps there too (`grid_method`, default the model's; of the colour word's attention with `grid_colour_word`)."""
     model, processor = load(model_dir)
     options = dataset_options or recipe_dataset_options()
     test, boxes = held_out_questions(options, images)
@@ -226,9 +241,12 @@ def pointing(
         if figures["method"] == "attention":  # and the colour word's own map, beside the question's mean
             word = measure(model, processor, test, boxes, method, colour_word=True)
             report["by_method"]["attention_colour_word"] = word
+    if model.config.vision_text_attention:  # the tower's own reads: where the cells take the colour word
+        word = measure(model, processor, test, boxes, "tower_attention", colour_word=True)
+        report["by_method"]["tower_attention_colour_word"] = word
     report["machine"] = machine()
     if grid:
-        draw_grid(model, processor, test, boxes, grid, None, colour_word=grid_colour_word)
+        draw_grid(model, processor, test, boxes, grid, grid_method, colour_word=grid_colour_word)
     return report
 
 
@@ -242,13 +260,16 @@ def main(argv=None) -> dict:
     parser.add_argument("--results", default=str(RESULTS / "sort_of_clevr.json"))
     parser.add_argument("--grid", default=None, help="Also draw 8 held-out questions with their maps to this PNG.")
     parser.add_argument("--grid_colour_word", action="store_true", help="Draw the colour word's attention alone.")
+    parser.add_argument("--grid_method", default=None, help="The grid's maps: attention, tower_attention or grad_cam.")
     args = parser.parse_args(argv)
     methods = (None, "grad_cam") if args.grad_cam_too else (None,)
     path = ROOT / args.results
     rows = json.loads(path.read_text()) if args.run else {}
     if args.run and args.run not in rows:  # before any work
         raise SystemExit(f"--run {args.run}: no such row in {path} (rows: {', '.join(rows)}).")
-    report = pointing(args.model, args.dataset_options, args.images, methods, args.grid, args.grid_colour_word)
+    report = pointing(
+        args.model, args.dataset_options, args.images, methods, args.grid, args.grid_colour_word, args.grid_method
+    )
     for figures in report["by_method"].values():
         print(table(figures))
     if args.grid:

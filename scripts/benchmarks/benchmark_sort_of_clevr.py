@@ -43,14 +43,15 @@ RUNS = {
     "late": ([MAIN, "--config_overrides", LATE_OVERRIDES], "late fusion (no FiLM): the question only in the head"),
     "hierarchical": (
         [HIERARCHICAL],
-        "mm_fusion's cross-attention, no FiLM: the question's words read the ResNet's stem tokens, each with its own "
-        "query (the read before the self-attention, the word embeddings bridged), the head the text stream",
+        "mm_fusion's cross-attention, no FiLM: the ResNet's stages read the question by cross-attention "
+        "(vision_text_attention), then the question's words read its last stage, each with its own query; the head "
+        "the text stream",
     ),
     "hierarchical_seed_1": ([HIERARCHICAL, "--seed", "1"], "the hierarchical recipe, another initialisation"),
     "cross_attention": (
         [HIERARCHICAL, "--fusion_type", "cross_attention"],
-        "the hierarchical recipe with `cross_attention` fusion: the text tower's last layer reads the tower's last "
-        "stage (no bridges)",
+        "the hierarchical recipe with `cross_attention` fusion: the text tower's last layer (not the words) reads "
+        "the tower's last stage",
     ),
     # The ablations at half the budget (6 epochs): what they can learn they learn early, and the machine is shared.
     "image_only": ([MAIN, "--ablation", "image_only", *HALF], "questions blanked: the image alone, 6 epochs"),
@@ -59,10 +60,20 @@ RUNS = {
     "finetune_pretrained": ([SHORT], "VQA fine-tuning from the pretrain checkpoint"),
     "finetune_scratch": ([SHORT], "the same VQA fine-tuning from scratch"),
 }
-# Rows of the previous main recipe (ViT tower, hierarchical fusion, commit 11a0c7d's sort_of_clevr.yaml), and of the
-# hierarchical recipe before its words' own queries (`hierarchical_self_first`), kept in the results for comparison;
-# those recipes are no longer runs here.
-PREVIOUS = ("vit_hierarchical", "vit_late", "vit_image_only", "vit_text_only", "hierarchical_self_first")
+# Rows of the previous main recipe (ViT tower, hierarchical fusion, commit 11a0c7d's sort_of_clevr.yaml), of the
+# hierarchical recipe before its words' own queries (`hierarchical_self_first`) and before its tower read the question
+# (`previous_*`: commit 98a998f's sort_of_clevr_hierarchical.yaml, the words reading the stem), kept in the results for
+# comparison; those recipes are no longer runs here.
+PREVIOUS = (
+    "vit_hierarchical",
+    "vit_late",
+    "vit_image_only",
+    "vit_text_only",
+    "hierarchical_self_first",
+    "previous_hierarchical",
+    "previous_hierarchical_seed_1",
+    "previous_cross_attention",
+)
 ORDER = [*RUNS, *PREVIOUS, "question_only_ceiling"]
 TYPES = ("relational", "non_relational")
 FAMILIES = ("shape", "horizontal", "vertical", "closest", "furthest", "count")

@@ -68,6 +68,10 @@ def test_pointing_counts_the_peak_inside_the_named_object_per_layer_and_family()
     assert figures["best_layer"] == "fusion layer 1" and figures["best_non_relational"] == 1.0
     assert figures["answer_accuracy"]["non_relational"] == 1.0
     assert "| attention | fusion layer 2 | 0.000 |" in bench.table(figures)
+    # 8 x 8 cells of 8 px: every 10-px object holds a cell's centre, so the grid allows every question.
+    assert figures["reachable_non_relational"] == 1.0 and "| (the most this grid allows) |  | 1.000 |" in (
+        bench.table(figures)
+    )
 
 
 def test_grid_draws_eight_non_relational_questions_of_distinct_images(tmp_path):

@@ -1,0 +1,133 @@
+"""A backbone / convolutional vision tower conditioned on the text by cross-attention
+(`MMFusionConfig.vision_text_attention`): each cell of every stage after the stem reads the text's tokens."""
+
+import copy
+
+import pytest
+import torch
+from test_vision_film import check_each_image_conditioned_on_its_own_text, check_refuses_an_image_without_its_text
+
+from mm_fusion import MMFusionConfig, MMFusionForImageTextClassification, MMFusionModel
+from mm_fusion.training.model_card import describe_vision_tower
+from mm_fusion.vision_towers import MMFusionStageRead, film_stages
+
+
+def text_attention_config(tester, tower: str = "resnet", fusion_type: str = "hierarchical", **kwargs):
+    vision = tester.resnet_config() if tower == "resnet" else tester.mobilenet_config()
+    return tester.config(fusion_type, vision_config=vision, **{"vision_text_attention": True, **kwargs})
+
+
+def test_every_stage_after_the_stem_reads_the_text(tester):
+    resnet = MMFusionModel(text_attention_config(tester))
+    reads = resnet.vision_text_attention.reads
+    # ResNet: stem, stage1 (8 channels), stage2 (16): each stage's cells ask with queries from their own channels.
+    assert [read.query.in_features for read in reads] == [8, 16]
+    assert [read.output.out_features for read in reads] == [8, 16]
+    assert {read.key.in_features for read in reads} == {resnet.config.text_config.hidden_size}
+    assert film_stages(resnet.vision_model, resnet.config.vision_config) is resnet.vision_model.encoder.stages
+    mobilenet = MMFusionModel(text_attention_config(tester, "mobilenet", "late"))
+    assert len(mobilenet.vision_text_attention.reads) == 16  # every hidden_states map of MobileNetV2
+
+
+def test_each_cell_reads_for_itself_and_never_the_padding():
+    """One head, hand-set weights: a cell whose channels point at a token's key reads that token's value, so two
+    cells of one map read two different words; a padding token is never read, whatever it holds."""
+    torch.manual_seed(0)
+    read = MMFusionStageRead(channels=2, text_width=2, num_heads=1).eval()
+    with torch.no_grad():
+        read.norm.weight.fill_(1.0), read.norm.bias.zero_()
+        for layer in (read.query, read.key, read.value, read.output):
+            layer.weight.copy_(torch.eye(2) * (20.0 if layer is read.query else 1.0))
+            layer.bias.zero_()
+    hidden = torch.zeros(1, 2, 1, 2)  # two cells: the first's channels (1, -1), the second's (-1, 1)
+    hidden[0, :, 0, 0] = torch.tensor([1.0, -1.0])
+    hidden[0, :, 0, 1] = torch.tensor([-1.0, 1.0])
+    text = torch.tensor([[[1.0, -1.0], [-1.0, 1.0], [50.0, 50.0]]])  # two words, then padding
+    mask = torch.tensor([[True, True, False]])[:, None, None, :]
+    with torch.no_grad():
+        out = read(hidden, text, mask)
+        read_values = (out - hidden)[0, :, 0, :].T  # (cells, channels)
+        torch.testing.assert_close(read_values, torch.tensor([[1.0, -1.0], [-1.0, 1.0]]), atol=1e-3, rtol=0)
+        text[0, 2] = torch.tensor([1e3, -1e3])  # padding that the first cell would read, were it not masked
+        torch.testing.assert_close(read(hidden, text, mask), out)
+        assert read(hidden, text, None)[0, 0, 0, 0] > 100
+
+
+def test_text_attention_conditions_each_image_on_its_own_text(tester):
+    model = MMFusionForImageTextClassification(text_attention_config(tester, fusion_type="cross_attention")).eval()
+    check_each_image_conditioned_on_its_own_text(model, tester.inputs())  # 3 texts, 3 images
+
+
+def test_text_attention_trains_saves_and_reloads(tester, tmp_path):
+    config = text_attention_config(tester, "mobilenet", "hierarchical", vision_bridge_layers=[5, 15])
+    model = MMFusionForImageTextClassification(config).train()
+    inputs = tester.inputs()
+    model(**inputs, labels=torch.tensor([0, 1, 2])).loss.backward()
+    grads = [read.query.weight.grad for read in model.mm_fusion.vision_text_attention.reads]
+    assert all(g is not None for g in grads) and sum(float(g.abs().sum()) for g in grads) > 0
+    model.eval()
+    copied = copy.deepcopy(model)  # its hooks read through its own modules, not the original's
+    with torch.no_grad():
+        expected = model(**inputs).logits
+        torch.testing.assert_close(copied(**inputs).logits, expected)
+        for p in model.mm_fusion.vision_text_attention.parameters():
+            p.add_(1.0)
+        torch.testing.assert_close(copied(**inputs).logits, expected)
+        assert not torch.allclose(model(**inputs).logits, expected, atol=1e-4)
+    model.save_pretrained(tmp_path)
+    reloaded = MMFusionForImageTextClassification.from_pretrained(tmp_path).eval()
+    assert reloaded.config.vision_text_attention is True and reloaded.config.vision_film is False
+    assert "every stage's cells read the text by cross-attention" in describe_vision_tower(reloaded.config, 30)
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(**inputs).logits, model(**inputs).logits)
+
+
+def test_text_attention_refuses_what_it_cannot_serve(tester):
+    with pytest.raises(ValueError, match="vision_text_attention conditions .* the ViTConfig tower is a transformer"):
+        tester.config(vision_text_attention=True)
+    with pytest.raises(ValueError, match="vision_film and vision_text_attention both condition .* choose one"):
+        text_attention_config(tester, vision_film=True)
+    config = text_attention_config(tester)
+    check_refuses_an_image_without_its_text(config, tester.inputs())
+    assert isinstance(MMFusionConfig.from_dict(config.to_dict()).vision_text_attention, bool)
+
+
+def test_a_run_with_tower_reads_draws_them(tmp_path):
+    """A run with `vision_text_attention`: scripts/visualize_attention.py draws the cells' attention to a token
+    (`--method tower_attention --token N`), one panel per stage read, and says which answer it explains; without
+    `--token` it stops before loading the model."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from helpers.training import TINY
+    from PIL import Image
+
+    from mm_fusion.data import load_easy_vqa
+    from mm_fusion.training import setup_run, train_and_save
+
+    out = tmp_path / "run"
+    flags = ["--vision_tower", "resnet", "--vision_widths", "8,16", "--max_steps", "2", "--max_eval_samples", "8"]
+    flags += ["--config_overrides", "vision_text_attention=true"]
+    train_and_save(setup_run(["--output_dir", str(out), *TINY, *flags]))
+    row = load_easy_vqa(["test"])["test"][0]
+    script = Path(__file__).resolve().parents[1] / "scripts" / "visualize_attention.py"
+    png = tmp_path / "reads.png"
+    args = ["--model", str(out), "--image", row["image"], "--question", row["question"], "--output", str(png)]
+    done = subprocess.run([sys.executable, str(script), *args, "--method", "tower_attention", "--token", "1"],
+                          capture_output=True, text=True)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert Image.open(png).size[0] > 300
+    model = MMFusionForImageTextClassification.from_pretrained(out).eval()
+    from transformers import AutoProcessor
+
+    batch = AutoProcessor.from_pretrained(out)(images=[row["image"]], text=[row["question"]])
+    result = model.image_maps(**batch, method="tower_attention", token=1)
+    assert result.layers == ["vision stage 1 read", "vision stage 2 read"]  # the stem, then two stages that read
+    answer = model.config.id2label[int(result.targets[0])]
+    assert done.stderr.splitlines()[-1].startswith(f"{answer} (") and "the tower's reads" in done.stderr
+    refused = subprocess.run([sys.executable, str(script), *args, "--method", "tower_attention"],
+                             capture_output=True, text=True)  # fmt: skip
+    assert refused.returncode == 2 and "--method tower_attention maps the attention the cells give one token" in (
+        refused.stderr
+    )
