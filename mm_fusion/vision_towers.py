@@ -324,8 +324,8 @@ def film_stages(tower: nn.Module, config: PretrainedConfig) -> nn.ModuleList:
     if len(found) != 1:
         raise ValueError(
             f"vision_film / vision_text_attention condition each stage of the vision tower, found as its one module "
-            f"list with an "
-            f"entry per stage after the stem ({count}); {type(tower).__name__} has {len(found)} such lists."
+            f"list with an entry per stage after the stem ({count}); {type(tower).__name__} has {len(found)} such "
+            "lists."
         )
     return found[0]
 
