@@ -354,5 +354,9 @@ def describe_vision_tower(config, image_size: int) -> str:
         f"channels) read as tokens of width {config.vision_hidden_size}, "
         f"`{config.vision_position_embedding}` positions"
         + ("; every stage FiLM-conditioned on the text" if getattr(config, "vision_film", False) else "")
-        + ("; every stage's cells read the text by cross-attention" if config.vision_text_attention else "")
+        + (
+            "; every stage's cells read the text by cross-attention"
+            if getattr(config, "vision_text_attention", False)
+            else ""
+        )
     )

@@ -241,7 +241,7 @@ def pointing(
         if figures["method"] == "attention":  # and the colour word's own map, beside the question's mean
             word = measure(model, processor, test, boxes, method, colour_word=True)
             report["by_method"]["attention_colour_word"] = word
-    if model.config.vision_text_attention:  # the tower's own reads: where the cells take the colour word
+    if getattr(model.config, "vision_text_attention", False):  # the tower's own reads of the colour word
         word = measure(model, processor, test, boxes, "tower_attention", colour_word=True)
         report["by_method"]["tower_attention_colour_word"] = word
     report["machine"] = machine()
