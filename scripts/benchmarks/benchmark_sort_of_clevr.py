@@ -246,8 +246,8 @@ def plot(rows: dict[str, dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     # The main recipe's runs only: the fine-tuning runs have a shorter budget (the table has them).
-    main_runs = ("film", "film_seed_1", "hierarchical", "hierarchical_seed_1", "late", "image_only", "text_only")
-    main_runs += (*PREVIOUS, "question_only_ceiling")
+    main_runs = ("film", "film_seed_1", "hierarchical", "hierarchical_seed_1", "cross_attention", "late")
+    main_runs += ("image_only", "text_only", *PREVIOUS, "question_only_ceiling")
     vqa = [rows[n] for n in main_runs if n in rows and "eval_accuracy_relational" in rows[n]]
     curves = [rows[n] for n in ORDER if n in rows and rows[n].get("curve")]
     fig, axes = plt.subplots(1, 2 if curves else 1, figsize=(14 if curves else 8, 4.2), squeeze=False)
