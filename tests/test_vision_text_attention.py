@@ -131,3 +131,34 @@ def test_a_run_with_tower_reads_draws_them(tmp_path):
     assert refused.returncode == 2 and "--method tower_attention maps the attention the cells give one token" in (
         refused.stderr
     )
+
+
+def test_train_py_gives_a_conv_tower_with_cross_attention_its_reads():
+    """scripts/train.py's model from scratch: a ResNet / ConvNeXt tower with cross-attention fusion and a
+    classification head gets the stages' reads, the PyTorch draw and no feature-map bridge (what Sort-of-CLEVR's
+    position questions need); `--config_overrides` wins; nothing changes for the ViT, late fusion, pretraining,
+    pretrained towers or a FiLM tower; `MMFusionConfig`'s own defaults stay as saved models were made with."""
+    from mm_fusion.training import ModelArguments, build_config
+
+    def config(**kwargs):
+        return build_config(ModelArguments(**kwargs), 64, 50, 16, ["yes", "no"])
+
+    def chosen(cfg):
+        return cfg.vision_text_attention, cfg.fusion_init, cfg.feature_map_bridge
+
+    earlier = (False, "normal", True)
+    assert chosen(MMFusionConfig()) == earlier
+    assert chosen(config()) == (True, "pytorch", False)  # the default: ResNet, hierarchical, vqa
+    assert chosen(config(vision_tower="convnext", fusion_type="cross_attention", task="classify")) == (
+        True,
+        "pytorch",
+        False,
+    )
+    assert chosen(config(config_overrides="fusion_init=normal")) == (True, "normal", False)
+    assert chosen(config(config_overrides="vision_text_attention=false")) == (False, "pytorch", False)
+    film = config(config_overrides="vision_film=true")
+    assert film.vision_film and chosen(film) == (False, "pytorch", False)
+    for kwargs in (dict(vision_tower="vit"), dict(fusion_type="late"), dict(task="pretrain")):
+        assert chosen(config(**kwargs)) == earlier, kwargs
+    pretrained = ModelArguments(text_model_name_or_path="some/bert")  # read by build_model, not here
+    assert chosen(build_config(pretrained, 64, 50, 16, ["yes", "no"])) == earlier

@@ -84,8 +84,10 @@ class ModelArguments:
         metadata={
             "help": "The vision tower built from scratch: resnet or convnext (a backbone of --vision_widths stages, "
             "its feature maps projected to tokens with positions: `vision_position_embedding` in "
-            "--config_overrides), or vit (a ViT of --vision_layers layers, --patch_size patches; "
-            "`--config_overrides vision_conv_stem=[32,64]` puts a convolutional stem in place of its patchify)."
+            "--config_overrides; with cross-attention fusion and task vqa / classify, its stages read the question: "
+            "vision_text_attention, fusion_init=pytorch, feature_map_bridge=false unless named there), or vit (a ViT "
+            "of --vision_layers layers, --patch_size patches; `--config_overrides vision_conv_stem=[32,64]` puts a "
+            "convolutional stem in place of its patchify)."
         },
     )
     vision_widths: str = field(
@@ -274,7 +276,8 @@ class MMFusionTrainingArguments(TrainingArguments):
     group_by_image: bool | None = field(
         default=None,
         metadata={
-            "help": "Batch the pairs of each image together, so each image is encoded once per batch. Default: on "
+            "help": "Batch the pairs of each image together, so each image is encoded once per batch (not when its "
+            "tower reads the text: vision_text_attention, vision_film). Default: on "
             "for vqa / classify, off for pretrain (the pairs of one image would be each other's contrastive "
             "negatives)."
         },

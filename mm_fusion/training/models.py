@@ -109,7 +109,8 @@ def build_model(model_args: ModelArguments, tokenizer, labels: list[str] | None,
 def build_config(
     model_args: ModelArguments, image_size: int, vocab_size: int, max_length: int, labels: list[str] | None
 ) -> MMFusionConfig:
-    """An MMFusionConfig for towers built from scratch (small ViT + BERT) from the size arguments."""
+    """An MMFusionConfig for towers built from scratch (ResNet / ConvNeXt / small ViT + BERT) from the size arguments,
+    with `conv_fusion_defaults` and then `--config_overrides` on top."""
     from transformers import BertConfig, ConvNextConfig, ResNetConfig, ViTConfig
 
     h, p = model_args.hidden_size, model_args.dropout
@@ -158,8 +159,36 @@ def build_config(
     )
     if labels is not None:
         kwargs.update(id2label=dict(enumerate(labels)), label2id={name: i for i, name in enumerate(labels)})
-    kwargs.update(parse_overrides(model_args.config_overrides))
+    overrides = parse_overrides(model_args.config_overrides)
+    kwargs.update(conv_fusion_defaults(model_args, overrides))
+    kwargs.update(overrides)
     return MMFusionConfig(**kwargs)
+
+
+# A convolutional tower's stages read the question by cross-attention, the layers outside the towers are drawn as
+# PyTorch draws them, and the tower's tokens enter the fusion without a second Linear: without all three the
+# cross-attention fusion learns which shapes and how many, but not where an object named by its colour is
+# (Sort-of-CLEVR, scripts/research/results/sort_of_clevr_ladder.md, points 46-49); easy-VQA loses nothing.
+CONV_FUSION_DEFAULTS = {"vision_text_attention": True, "fusion_init": "pytorch", "feature_map_bridge": False}
+
+
+def conv_fusion_defaults(model_args: ModelArguments, overrides: dict) -> dict:
+    """The settings of `CONV_FUSION_DEFAULTS` that a run's config takes unless `--config_overrides` names them: for a
+    ResNet / ConvNeXt tower built from scratch (no pretrained tower) with cross-attention fusion (`hierarchical` or
+    `cross_attention`) and a classification head. Not for `--task pretrain` (its contrastive head needs image
+    features without a text), nor with `vision_film` (which conditions the tower instead)."""
+    if (
+        model_args.task == "pretrain"
+        or model_args.vision_tower not in ("resnet", "convnext")
+        or model_args.fusion_type not in ("hierarchical", "cross_attention")
+        or model_args.vision_model_name_or_path
+        or model_args.text_model_name_or_path
+    ):
+        return {}
+    defaults = dict(CONV_FUSION_DEFAULTS)
+    if overrides.get("vision_film"):
+        del defaults["vision_text_attention"]
+    return defaults
 
 
 def model_class(task: str):

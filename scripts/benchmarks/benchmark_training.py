@@ -29,10 +29,14 @@ from transformers import HfArgumentParser
 
 
 SHORT = ["--num_train_epochs", "3"]  # the ablations: 3 epochs each, against the same 3-epoch baseline
+# The default model before its tower read the question (mm_fusion.training.models.conv_fusion_defaults).
+PREVIOUS_MODEL = ["--config_overrides", "vision_text_attention=false,fusion_init=normal,feature_map_bridge=true"]
 RUNS = {
     "default": [],
-    "default_no_limit": ["--image_group_size", "0"],
     "full": ["scripts/configs/easy_vqa_full.yaml"],
+    "previous_default": PREVIOUS_MODEL,
+    "previous_default_no_limit": ["--image_group_size", "0", *PREVIOUS_MODEL],
+    "previous_full": ["scripts/configs/easy_vqa_full.yaml", *PREVIOUS_MODEL],
     "default_late": ["--fusion_type", "late"],
     "full_late": ["scripts/configs/easy_vqa_full.yaml", "--fusion_type", "late"],
     "short": SHORT,
@@ -44,10 +48,13 @@ RUNS = {
     "full_vit": ["scripts/configs/easy_vqa_full.yaml", "--vision_tower", "vit", "--num_train_epochs", "14"],
 }
 DESCRIPTIONS = {
-    "default": "no arguments: a ResNet tower (stages of 24, 48, 96 channels, sine positions), hierarchical fusion, "
-    "text-to-image attention, at most 2 questions of an image in a row, 6 epochs",
-    "default_no_limit": "the earlier default: all questions of an image in a row (--image_group_size 0)",
+    "default": "no arguments: a ResNet tower (stages of 24, 48, 96 channels, sine positions) whose stages read the "
+    "question, hierarchical fusion, text-to-image attention, at most 2 questions of an image in a row, 6 epochs",
     "full": "scripts/configs/easy_vqa_full.yaml: the default model and batches, 8 epochs",
+    "previous_default": "the default before the tower read the question (no stages' reads, fusion layers drawn from "
+    "N(0, 0.02), the feature-map bridge)",
+    "previous_default_no_limit": "previous_default with all questions of an image in a row (--image_group_size 0)",
+    "previous_full": "scripts/configs/easy_vqa_full.yaml with the previous default model",
     "default_late": "the default with late fusion (dual encoder, no cross-attention), 6 epochs",
     "full_late": "the full config with late fusion, 8 epochs",
     "short": "3 epochs (the ablations' baseline)",

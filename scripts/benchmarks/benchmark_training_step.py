@@ -119,13 +119,15 @@ def build_fusion_config(
     labels: list[str],
     patch_size: int | None,
     vision_tower: str = "vit",
+    config_overrides: str | None = None,
 ):
     """`MMFusionConfig` of the recipe's model (what `build_trainer` builds) at this size, BERT with `max_length`.
-    `vision_tower`: the ViT these equal-size step comparisons were built around, or `scripts/train.py`'s default."""
+    `vision_tower`: the ViT these equal-size step comparisons were built around, or `scripts/train.py`'s default;
+    `config_overrides` as `--config_overrides`."""
     from mm_fusion.training import ModelArguments, build_config
 
     sizes = {} if patch_size is None else {"patch_size": patch_size}
-    model_args = ModelArguments(vision_tower=vision_tower, **sizes)
+    model_args = ModelArguments(vision_tower=vision_tower, config_overrides=config_overrides, **sizes)
     return build_config(model_args, size, vocab_size, max_length, labels)
 
 

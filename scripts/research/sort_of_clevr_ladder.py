@@ -319,6 +319,9 @@ def recipe_config(**overrides):
     settings = [args.config_overrides] if args.config_overrides else []
     if "fusion_layer_order" not in (args.config_overrides or ""):
         settings.append("fusion_layer_order=self_first")
+    # Nor do they take train.py's defaults for a convolutional tower (point 49) unless they name them.
+    earlier = {"vision_text_attention": "false", "fusion_init": "normal", "feature_map_bridge": "true"}
+    settings += [f"{key}={value}" for key, value in earlier.items() if key not in (args.config_overrides or "")]
     if "text_bridge_layers" not in (args.config_overrides or "") and args.fusion_type == "hierarchical":
         last = range(args.text_layers - args.fusion_layers + 1, args.text_layers + 1)
         settings.append(f"text_bridge_layers=[{','.join(map(str, last))}]")

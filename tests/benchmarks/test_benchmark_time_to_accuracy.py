@@ -87,7 +87,8 @@ def test_report_compares_each_accuracy_with_the_faster_baseline_that_reached_it(
 
 def test_every_contender_trains_the_default_model_at_about_its_size(bench):
     """The seed loop fuses the default ResNet tower's last map with nn.MultiheadAttention; run_clip and mm_fusion
-    train the default model itself: all three within 2% of its parameters."""
+    train the default model without its stages' reads of the question (`SAME_MODEL`): all three within 2% of its
+    parameters."""
     import torch
     from benchmark_training_step import SEED_MAX_LENGTH, build_fusion_config, seed_model
 
@@ -96,8 +97,10 @@ def test_every_contender_trains_the_default_model_at_about_its_size(bench):
 
     assert bench.default_tower() == ModelArguments().vision_tower == "resnet"
     labels = [str(i) for i in range(13)]
-    ours = MMFusionForImageTextClassification(build_fusion_config(64, 500, 64, labels, None, bench.default_tower()))
-    seed = seed_model(build_fusion_config(64, 500, SEED_MAX_LENGTH, labels, None, bench.default_tower()))
+    same = (bench.default_tower(), bench.SAME_MODEL)
+    ours = MMFusionForImageTextClassification(build_fusion_config(64, 500, 64, labels, None, *same))
+    assert not ours.config.vision_text_attention
+    seed = seed_model(build_fusion_config(64, 500, SEED_MAX_LENGTH, labels, None, *same))
     # The same ResNet: as a backbone in mm_fusion's model, as the plain model (its last map) in the seed loop.
     assert (type(ours.mm_fusion.vision_model).__name__, type(seed.vision_model).__name__) == (
         "ResNetBackbone",
