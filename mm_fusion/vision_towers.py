@@ -5,7 +5,7 @@ convolutional stem in place of a vision transformer's patchify.
 A vision tower is one of three types, told apart by its config:
 
 - `"transformer"`: an encoder whose layers share one width (`hidden_size`: ViT, CLIP / SigLIP vision, DeiT...). Its
-  hidden states are the tokens, as before.
+  hidden states are the tokens.
 - `"backbone"`: a config transformers builds a backbone for (`AutoBackbone`: ResNet, ConvNeXt, Swin...,
   `TimmBackbone`). Stage `i` is `config.stage_names[i]` (0 is the stem); the stages fusion reads are set as the
   backbone's `out_indices`, and its `feature_maps` are read.

@@ -6,7 +6,7 @@ import pytest
 from helpers.training import TINY
 
 from mm_fusion.training import setup_run
-from mm_fusion.training.sampler import BatchRamp, RampBatchSampler
+from mm_fusion.training.batch_ramp import BatchRamp, RampBatchSampler
 
 
 def test_plan_per_epoch_and_per_steps():

@@ -345,10 +345,16 @@ def test_retrieval_pipeline_recall_equals_the_training_evaluation(pretrain_run, 
         assert np.mean(text_rank < k) == pytest.approx(results[f"eval_text_to_image_R@{k}"], abs=1e-12), k
         assert np.mean(image_rank < k) == pytest.approx(results[f"eval_image_to_text_R@{k}"], abs=1e-12), k
 
-    # Re-ranking scores the top candidates with the matching head and re-orders them by it.
+    # Re-ranking scores the top 4 candidates with the matching head, as a direct model call on each pair does, and
+    # re-orders them by it.
+    top = retriever(texts[0], index=loaded, top_k=4)
     reranked = retriever(texts[0], index=loaded, top_k=3, rerank=4)
-    assert len(reranked) == 3 and all(0 <= h["itm_score"] <= 1 for h in reranked)
-    assert [h["itm_score"] for h in reranked] == sorted((h["itm_score"] for h in reranked), reverse=True)
+    processor = AutoProcessor.from_pretrained(out)
+    batch = processor(images=[h["id"] for h in top], text=[texts[0]] * 4)
+    with torch.no_grad():
+        matching = retriever.model(**batch, return_loss=False).itm_logits.softmax(-1)[:, 1].tolist()
+    expected = sorted(zip(matching, (h["id"] for h in top)), key=lambda pair: -pair[0])[:3]
+    assert [(h["itm_score"], h["id"]) for h in reranked] == [(pytest.approx(p, abs=1e-6), i) for p, i in expected]
 
 
 def test_matching_pipeline_gives_the_matching_heads_probability(pretrain_run):

@@ -499,7 +499,7 @@ SCRIPTS = sorted(
 
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_every_script_help_runs(script):
-    """The README lists `python scripts/train.py --help`; a bare `%` in one help string used to crash it."""
+    """The README lists `python scripts/train.py --help`; a bare `%` in one help string would crash it."""
     import subprocess
     import sys
 
@@ -510,6 +510,9 @@ def test_every_script_help_runs(script):
     assert text.startswith("usage:")
     if script == "train.py":
         assert "--validation_split_percentage" in text and "hold out this percentage of the training pairs" in text
+        # The config file is an argument too: named in the usage line, and said how it combines with flags.
+        assert text.startswith("usage: train.py [CONFIG.yaml | CONFIG.json] [--option VALUE ...]")
+        assert "flags after it override its values" in text
 
 
 def test_config_keys_and_flags_must_be_spelt_out(tmp_path, capsys):
@@ -578,7 +581,7 @@ def test_sampler_epoch_callback_reaches_a_sampler_inside_accelerates_shard_wrapp
     from torch.utils.data import BatchSampler, DataLoader
     from transformers import TrainerControl, TrainerState
 
-    from mm_fusion.training.trainer import SamplerEpochCallback
+    from mm_fusion.training.sampler import SamplerEpochCallback
 
     sampler = MMFusionImageGroupedSampler([0, 0, 1, 1, 2, 2, 3, 3], seed=0)
     shard = BatchSamplerShard(BatchSampler(sampler, 2, drop_last=False), num_processes=2, process_index=1)

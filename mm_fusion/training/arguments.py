@@ -368,7 +368,7 @@ class MMFusionTrainingArguments(TrainingArguments):
                     "--batch_size_ramp_max draws its own random batches: no group_by_image, train_sampling_strategy "
                     "other than random, or auto_find_batch_size."
                 )
-            from .sampler import BatchRamp
+            from .batch_ramp import BatchRamp
 
             BatchRamp(
                 self.per_device_train_batch_size,
@@ -458,6 +458,12 @@ class MMFusionArgumentParser(ScriptArgumentParser):
     """
 
     def __init__(self, **kwargs):
+        kwargs.setdefault("usage", "%(prog)s [CONFIG.yaml | CONFIG.json] [--option VALUE ...]")
+        kwargs.setdefault(
+            "description",
+            "CONFIG.yaml / CONFIG.json, when given, comes first: its keys are the options below without their dashes "
+            "(scripts/configs/ has examples), and flags after it override its values.",
+        )
         super().__init__((ModelArguments, DataArguments, MMFusionTrainingArguments), **kwargs)
 
     def parse_args_and_config(

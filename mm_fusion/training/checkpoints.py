@@ -14,7 +14,7 @@ import torch
 from safetensors import safe_open
 from transformers import PreTrainedModel
 from transformers.trainer_pt_utils import safe_globals
-from transformers.trainer_utils import sort_checkpoints
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, sort_checkpoints
 
 
 logger = logging.getLogger(__name__)
@@ -155,3 +155,96 @@ def load_checkpoint_weights(model: PreTrainedModel, checkpoint: str | os.PathLik
         model.load_state_dict(loaded.state_dict(), strict=True)
     except RuntimeError as err:
         raise CheckpointError(f"The weights in {checkpoint} do not fit the model: {err}") from None
+
+
+# Written into each checkpoint: the sum of every optimizer step's training loss up to it, so that a resumed run
+# reports the mean over the whole run (Trainer's `train_loss` averages only the steps of the current `train()` call).
+LOSS_TOTAL_FILE = "train_loss_total.json"
+
+
+def checkpoint_folder(trainer, trial=None) -> str:
+    """The folder of the checkpoint `trainer` is saving now, made if need be: for the files a unit writes into it
+    before Trainer's own, so that `trainer_state.json` stays the last file written (see [`checkpoint_problem`])."""
+    folder = os.path.join(trainer._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{trainer.state.global_step}")
+    os.makedirs(folder, exist_ok=True)
+    return folder
+
+
+class ExactLoadingMixin:
+    """
+    Trainer mixin: exact weight loading on resume and for `load_best_model_at_end` ([`load_checkpoint_weights`]).
+    Trainer loads with `strict=False` and without the key renaming of `from_pretrained`, so a ViT tower saved under its
+    legacy key names would silently keep its random initialisation; here a missing or unexpected key is an error. The
+    private `_load_from_checkpoint` / `_load_best_model` are overridden because Trainer's loading happens inside them;
+    FSDP and DeepSpeed keep their own loaders of sharded states.
+    """
+
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        if self.is_fsdp_enabled or self.is_deepspeed_enabled:
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)
+        load_checkpoint_weights(model if model is not None else self.model, resume_from_checkpoint)
+
+    def _load_best_model(self):
+        if self.is_fsdp_enabled or self.is_deepspeed_enabled:
+            return super()._load_best_model()
+        load_checkpoint_weights(self.model, self.state.best_model_checkpoint)
+
+
+class ResumedLossMixin:
+    """
+    Trainer mixin: after a resume, `train_loss` is the mean over every step of the run, not only the resumed ones.
+    `_save_checkpoint` writes the run's loss total so far into the checkpoint (before Trainer's own files, so that
+    `trainer_state.json` stays the last file written: `on_save` comes after it), `train` reads it back, and `log`
+    corrects the final `train_loss`. The total is read from Trainer's running sums (`_total_loss_scalar`, `_tr_loss`),
+    which no public attribute exposes.
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.resumed_from_step = None  # the global step of the checkpoint a run resumed from
+        self._resumed_loss_sum = None  # and its summed step losses
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs):
+        self.resumed_from_step = self._resumed_loss_sum = None
+        if isinstance(resume_from_checkpoint, str):
+            with open(os.path.join(resume_from_checkpoint, "trainer_state.json")) as f:
+                self.resumed_from_step = json.load(f)["global_step"]
+            path = os.path.join(resume_from_checkpoint, LOSS_TOTAL_FILE)
+            if os.path.isfile(path):  # absent from checkpoints of other trainers: Trainer's figure then
+                with open(path) as f:
+                    self._resumed_loss_sum = float(json.load(f)["train_loss_sum"])
+        return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
+
+    def _save_checkpoint(self, model, trial):
+        if self.args.should_save:
+            # Trainer drains the losses of logged steps into `_total_loss_scalar`; `_tr_loss` holds the rest.
+            total = (self._resumed_loss_sum or 0.0) + self._total_loss_scalar + self._tr_loss.item()
+            with open(os.path.join(checkpoint_folder(self, trial), LOSS_TOTAL_FILE), "w") as f:
+                json.dump({"train_loss_sum": total, "global_step": self.state.global_step}, f)
+        super()._save_checkpoint(model, trial)
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        if "train_loss" in logs and self._resumed_loss_sum is not None:
+            # In place: the same dict is `train()`'s returned metrics.
+            steps = self.state.global_step - self.resumed_from_step  # this session's, which Trainer averaged over
+            logs["train_loss"] = (self._resumed_loss_sum + logs["train_loss"] * steps) / max(self.state.global_step, 1)
+        super().log(logs, start_time)
+
+
+class SaveOnEachNodeMixin:
+    """
+    Trainer mixin for `save_on_each_node`: the local main process of every node writes the weights and config too.
+    transformers 5.23's `save_pretrained` writes them on global rank 0 only, whatever `is_main_process` says, which
+    would leave the checkpoints on the other nodes' disks without weights to resume from. `_save` is where Trainer
+    calls it; the model's public `should_save_on_this_rank` is answered for this one call.
+    """
+
+    def _save(self, output_dir: str | None = None, state_dict=None):
+        model = self.accelerator.unwrap_model(self.model, keep_torch_compile=False)
+        if not (self.args.save_on_each_node and self.args.should_save and self.args.process_index != 0):
+            return super()._save(output_dir, state_dict)
+        model.should_save_on_this_rank = lambda is_main_process: is_main_process
+        try:
+            return super()._save(output_dir, state_dict)
+        finally:
+            del model.should_save_on_this_rank

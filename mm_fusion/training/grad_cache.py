@@ -13,8 +13,8 @@ with the activation memory of one micro-batch.
 ITC is exact: the summed parameter gradients equal those of one step over all k·B·W pairs. ITM is not: micro-batch
 j's hard negatives come from micro-batch j across ranks (B·W candidates, by the similarity of the re-run's embeddings,
 which equal the cached ones), and its loss is averaged over micro-batches. Cost: one extra forward of the towers per
-micro-batch, without gradient. [`MMFusionTrainer`] runs this inside Trainer's accumulation loop; [`train_window`] is
-the same without a Trainer.
+micro-batch, without gradient. [`GradCacheMixin`] runs this inside Trainer's accumulation loop for
+[`MMFusionTrainer`]; [`train_window`] is the same without a Trainer.
 """
 
 from collections.abc import Callable, Sequence
@@ -22,8 +22,13 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from transformers.utils import logging
 
 from ..distributed import all_gather_with_grad, gather_sizes, world
+from .pretraining import PretrainingLossMixin
+
+
+logger = logging.get_logger(__name__)
 
 
 ENCODE_KEYS = ("pixel_values", "input_ids", "attention_mask", "token_type_ids")
@@ -175,7 +180,82 @@ def train_window(model, batches: Sequence[dict], backward: Callable | None = Non
     return total
 
 
+class GradCacheMixin(PretrainingLossMixin):
+    """
+    Trainer mixin for `itc_grad_cache` (pretraining with gradient accumulation): the ITC loss of each optimizer step
+    contrasts all k·B·W pairs of its micro-batches on every rank, with exact gradients and one micro-batch's
+    activation memory, inside Trainer's own accumulation loop. `get_batch_samples` keeps the micro-batches Trainer
+    fetches for a step; `training_step` embeds them all without gradient at the step's first micro-batch
+    ([`build_itc_cache`]), then trains each with its share of the full-batch gradient ([`cached_micro_batch_loss`]).
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._window = None  # the micro-batches of the current optimizer step
+        self._itc_cache = None
+        self._grad_cache_warned = False
+
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        """Trainer fetches the micro-batches of each optimizer step up front; keep them for the ITC cache."""
+        batch_samples, num_items_in_batch = super().get_batch_samples(epoch_iterator, num_batches, device)
+        self._window, self._itc_cache = batch_samples, None
+        return batch_samples, num_items_in_batch
+
+    def uses_grad_cache(self, model) -> bool:
+        """`itc_grad_cache` acts for pretraining with gradient accumulation (k = 1 already gathers B·W negatives)."""
+        if not (
+            getattr(self.args, "itc_grad_cache", True)
+            and self.args.gradient_accumulation_steps > 1
+            and self._window is not None
+            and len(self._window) > 1
+            and self.is_pretraining(model)
+        ):
+            return False
+        if self.is_fsdp_enabled or self.is_deepspeed_enabled or self.args.n_gpu > 1:
+            if not self._grad_cache_warned:
+                logger.warning(
+                    "itc_grad_cache is not supported with FSDP, DeepSpeed or DataParallel: ITC sees one micro-batch's "
+                    "negatives per loss. Pass --itc_grad_cache False to silence this."
+                )
+                self._grad_cache_warned = True
+            return False
+        return True
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        use_cache = self.uses_grad_cache(model)
+        index = next((i for i, batch in enumerate(self._window or ()) if batch is inputs), None)
+        if not use_cache or index is None:
+            if use_cache and not self._grad_cache_warned:  # Trainer no longer hands over the batches it fetched
+                logger.warning("itc_grad_cache: a micro-batch not among those Trainer fetched; trained without it.")
+                self._grad_cache_warned = True
+            return super().training_step(model, inputs, num_items_in_batch)
+        model.train()
+        if hasattr(self.optimizer, "train") and callable(self.optimizer.train):
+            self.optimizer.train()
+        unwrapped = self.accelerator.unwrap_model(model)
+        if self._itc_cache is None:  # the step's first micro-batch: embed them all without gradient
+            batches = [self._prepare_inputs(batch) for batch in self._window]
+            with self.compute_loss_context_manager():
+                self._itc_cache = build_itc_cache(unwrapped, batches, autocast=self.accelerator.autocast)
+        cache = self._itc_cache
+        inputs = self._prepare_inputs(inputs)
+        cache.restore_rng(index)  # the same dropout masks as in the embedding pass
+        with self.compute_loss_context_manager():
+            outputs = model(**inputs, return_loss=True)
+        surrogate, logged = cached_micro_batch_loss(unwrapped, outputs, cache, index)
+        k = cache.num_micro_batches
+        itm_loss = outputs.itm_loss / k if outputs.itm_loss is not None else None
+        self.record_loss_terms(itc_loss=cache.itc_loss / k, itm_loss=itm_loss)
+        del outputs, inputs
+        # Scaled already (see `cached_micro_batch_loss`); undo the division by an accelerate accumulation plugin.
+        self.accelerator.backward(surrogate * self.accelerator.gradient_accumulation_steps)
+        if index == len(self._window) - 1:
+            self._window = self._itc_cache = None
+        return logged.detach()
+
+
 __all__ = [
+    "GradCacheMixin",
     "ITCGradCache",
     "RNGState",
     "build_itc_cache",

@@ -1,9 +1,12 @@
-"""Training samplers whose order depends only on a seed and the epoch, so a resumed run draws the same batches."""
+"""Training samplers whose order depends only on a seed and the epoch, so a resumed run draws the same batches, and
+[`GroupedSamplingMixin`], the unit of [`MMFusionTrainer`] that trains with them."""
 
+import math
 from collections.abc import Iterator, Sequence
 
 import torch
 from torch.utils.data import Sampler
+from transformers import TrainerCallback
 from transformers.trainer_pt_utils import LengthGroupedSampler
 
 
@@ -96,76 +99,62 @@ class MMFusionLengthGroupedSampler(_EpochSeeded, LengthGroupedSampler):
         return super().__iter__()
 
 
-class BatchRamp:
+def epoch_seeded_samplers(loader, depth: int = 5) -> list:
+    """The epoch-seeded samplers ([`MMFusionImageGroupedSampler`], [`MMFusionLengthGroupedSampler`],
+    [`RampBatchSampler`]) inside a data loader, through accelerate's and torch's batch-sampler wrappers."""
+    found, layer = [], [loader]
+    for _ in range(depth):
+        following = []
+        for item in layer:
+            if isinstance(item, _EpochSeeded):
+                found.append(item)
+                continue
+            for name in ("batch_sampler", "sampler"):
+                inner = getattr(item, name, None)
+                if inner is not None and inner is not item:
+                    following.append(inner)
+        layer = following
+    return list({id(s): s for s in found}.values())
+
+
+class SamplerEpochCallback(TrainerCallback):
     """
-    A batch size that grows during training, as `min(start * (k + 1), maximum)` per device, `k` being the epoch
-    (`every_steps=0`) or the number of `every_steps` optimizer steps done, with the learning rate scaled with it:
-    `"linear"` (lr x size / maximum), `"sqrt"` (lr x sqrt(size / maximum)) or `"none"`. The learning rate given is
-    the one of the maximum batch.
-
-    [`plan`] lays out every epoch's per-step batch sizes in advance (they depend only on the data size, the ramp and
-    the number of processes), so the number of steps, the epoch of a step and the learning rate of a step are known
-    from the start and a resumed run finds its place again.
-    """
-
-    def __init__(self, start: int, maximum: int, every_steps: int = 0, lr_scaling: str = "linear"):
-        if not 1 <= start <= maximum:
-            raise ValueError(f"The batch ramp needs 1 <= start <= maximum, got start {start}, maximum {maximum}.")
-        if lr_scaling not in ("linear", "sqrt", "none"):
-            raise ValueError(f"lr_scaling must be linear, sqrt or none, got {lr_scaling!r}.")
-        self.start, self.maximum, self.every_steps, self.lr_scaling = start, maximum, every_steps, lr_scaling
-
-    def size(self, epoch: int, step: int) -> int:
-        """The per-device batch size of the optimizer step `step` (global, 0-based), in epoch `epoch`."""
-        k = epoch if self.every_steps <= 0 else step // self.every_steps
-        return min(self.start * (k + 1), self.maximum)
-
-    def plan(
-        self, num_samples: int, num_processes: int, epochs: int | None, max_steps: int | None = None
-    ) -> list[list[int]]:
-        """Each epoch's per-step, per-device batch sizes, for `epochs` epochs or as many as `max_steps` (> 0) need.
-        Every step takes `size x num_processes` pairs; the last step of an epoch takes what is left, split between
-        the processes, and fewer than `num_processes` pairs left over are not trained on in that epoch (the next
-        epoch is reshuffled)."""
-        if num_samples < num_processes:
-            raise ValueError(f"The batch ramp needs at least one pair per process: {num_samples} pairs.")
-        plan, step, epoch = [], 0, 0
-        while (epochs is not None and epoch < epochs) or (epochs is None and step < (max_steps or 0)):
-            sizes, left = [], num_samples
-            while left >= num_processes:
-                size = min(self.size(epoch, step), left // num_processes)
-                sizes.append(size)
-                left -= size * num_processes
-                step += 1
-            plan.append(sizes)
-            epoch += 1
-        return plan
-
-    def lr_factor(self, size: int) -> float:
-        if self.lr_scaling == "none":
-            return 1.0
-        ratio = size / self.maximum
-        return ratio if self.lr_scaling == "linear" else ratio**0.5
-
-
-class RampBatchSampler(_EpochSeeded, Sampler[list[int]]):
-    """
-    Batches of a [`BatchRamp`]'s sizes over a random order seeded by `seed + epoch`. Each optimizer step yields one
-    batch per process, one after the other, so accelerate's `BatchSamplerShard` gives each process its own batch of
-    the step's size.
+    Gives the epoch-seeded samplers their epoch at the start of every epoch, resumed ones included, so that a resumed
+    run draws the interrupted run's batches. In a run of several processes accelerate wraps the batch sampler in a
+    `BatchSamplerShard`, and Trainer's own `set_epoch` stops one level short of a sampler inside a batch sampler.
     """
 
-    def __init__(self, num_samples: int, plan: list[list[int]], num_processes: int = 1, seed: int = 0):
-        self.num_samples, self.plan, self.num_processes, self.seed = num_samples, plan, num_processes, seed
+    def on_epoch_begin(self, args, state, control, train_dataloader=None, **kwargs):
+        # `state.epoch` is the epoch's start (a float): its whole part, also on a resume in the middle of an epoch.
+        for sampler in epoch_seeded_samplers(train_dataloader):
+            sampler.set_epoch(math.floor(state.epoch or 0))
 
-    def __len__(self) -> int:
-        return len(self.plan[min(self.epoch, len(self.plan) - 1)]) * self.num_processes
 
-    def __iter__(self) -> Iterator[list[int]]:
-        sizes = self.plan[min(self.epoch, len(self.plan) - 1)]
-        order = torch.randperm(self.num_samples, generator=self._epoch_generator()).tolist()
-        position = 0
-        for size in sizes:
-            for _ in range(self.num_processes):
-                yield order[position : position + size]
-                position += size
+class GroupedSamplingMixin:
+    """
+    Trainer mixin for the training order: `group_by_image` (from [`MMFusionTrainingArguments`]) gives batches that
+    hold the pairs of a few images ([`MMFusionImageGroupedSampler`]), which the collator delivers once each, and
+    `train_sampling_strategy="group_by_length"` an order seeded by the epoch ([`MMFusionLengthGroupedSampler`]); the
+    epochs reach them through [`SamplerEpochCallback`]. `_get_train_sampler` is overridden because it is the one place
+    Trainer picks the training sampler.
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.add_callback(SamplerEpochCallback())
+
+    def _get_train_sampler(self, train_dataset=None):
+        dataset = train_dataset if train_dataset is not None else self.train_dataset
+        seed = self.args.data_seed or self.args.seed
+
+        def column(name):  # read at once: iterating `dataset[name]` would format it row by row
+            return dataset.with_format("numpy", columns=[name])[:][name].tolist()
+
+        if getattr(self.args, "group_by_image", False):
+            group_size = getattr(self.args, "image_group_size", None) or None  # 0: no limit
+            return MMFusionImageGroupedSampler(column("image_index"), seed=seed, group_size=group_size)
+        length_column = self.args.length_column_name
+        if self.args.train_sampling_strategy == "group_by_length" and length_column in dataset.column_names:
+            batch_size = self.args.train_batch_size * self.args.gradient_accumulation_steps
+            return MMFusionLengthGroupedSampler(batch_size, column(length_column), seed=seed)
+        return super()._get_train_sampler(train_dataset)

@@ -2,8 +2,10 @@
 Step 2 and 4 of `scripts/train.py` for `--streaming` runs: the shards named by `--dataset` read as a stream
 ([`load_streaming_data`]), validated shard by shard in the data loader's workers, split between ranks and shuffled
 by an exactly resumable buffer ([`prepare_streaming_data`]); the evaluation pairs, small, read once into memory.
+[`StreamingLoaderMixin`] is [`MMFusionTrainer`]'s unit that trains from the stream and resumes it exactly.
 """
 
+import json
 import os
 from dataclasses import dataclass
 from itertools import islice
@@ -14,6 +16,7 @@ from datasets import Dataset
 from ..data import ShuffledStream, StreamingCollator, prepare_stream, read_quarantine, split_by_rank, stream_source
 from ..data.streaming import StreamSource
 from .arguments import DataArguments, ModelArguments
+from .checkpoints import checkpoint_folder
 
 
 TOKENIZER_TEXTS = 20_000  # a tokenizer trained for a streaming run learns from the first this many texts
@@ -122,3 +125,97 @@ def build_streaming_collators(pad_token_id: int | None, image_size: int, data_ar
 
     flips = v2.Compose([v2.RandomHorizontalFlip(), v2.RandomVerticalFlip()])
     return StreamingCollator(blank=blank, image_transform=flips, **kwargs), collator
+
+
+# Written into each checkpoint by every rank of a streaming run: its data loader's state (torchdata's
+# StatefulDataLoader, with the stream's own), from which the resumed run reads on exactly where this one was.
+STREAM_STATE_FILE = "stream_state_rank{rank}.json"
+
+
+class StreamingLoaderMixin:
+    """
+    Trainer mixin for a training set that is a stream ([`ShuffledStream`]): `get_train_dataloader` gives a stateful
+    loader over this rank's part of the stream, `_save_checkpoint` writes each rank's loader state into the
+    checkpoint (before Trainer's own files: `on_save` comes after `trainer_state.json`, the sign of a complete
+    checkpoint), and `train` resumes from it (Trainer's own fast-forward would skip batches again).
+    `_init_training_state` ends a finished run that is resumed: Trainer counts a stream's epochs without end and would
+    take step max_steps + 1. Other training sets go through Trainer's own methods unchanged.
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._stream_resume = None  # the checkpoint a streaming run resumes from
+        self._stream_loader = None
+
+    def is_streaming(self) -> bool:
+        return isinstance(self.train_dataset, ShuffledStream)
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs):
+        self._stream_resume = resume_from_checkpoint if isinstance(resume_from_checkpoint, str) else None
+        if self.is_streaming():
+            # The stream's saved state puts it where it was; Trainer's own fast-forward would skip batches again.
+            self.args.ignore_data_skip = True
+        return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
+
+    def get_train_dataloader(self):
+        return self.streaming_dataloader() if self.is_streaming() else super().get_train_dataloader()
+
+    def streaming_dataloader(self):
+        """
+        A streaming run's training loader: torchdata's `StatefulDataLoader` (through accelerate, as
+        `use_stateful_dataloader=True` builds it) over this rank's own stream. Accelerate's `prepare` is told there
+        is one process: the stream is already this rank's part (`split_by_rank`), and accelerate would otherwise cut
+        it again or have rank 0 read and send every batch. On resume the loader takes the rank's saved state.
+        """
+        from accelerate.data_loader import prepare_data_loader
+        from torchdata.stateful_dataloader import StatefulDataLoader
+
+        args = self.args
+        workers = args.dataloader_num_workers
+        loader = StatefulDataLoader(
+            self.train_dataset,
+            batch_size=self._train_batch_size,
+            collate_fn=self.data_collator,
+            num_workers=workers,
+            pin_memory=args.dataloader_pin_memory,
+            persistent_workers=args.dataloader_persistent_workers and workers > 0,
+            prefetch_factor=args.dataloader_prefetch_factor if workers > 0 else None,
+        )
+        loader = prepare_data_loader(
+            loader,
+            device=args.device,
+            num_processes=1,
+            process_index=0,
+            put_on_device=True,
+            dispatch_batches=False,
+            use_stateful_dataloader=True,
+        )
+        if self._stream_resume is not None:
+            path = os.path.join(self._stream_resume, STREAM_STATE_FILE.format(rank=args.process_index))
+            if not os.path.isfile(path):
+                raise FileNotFoundError(
+                    f"{path} is missing: {self._stream_resume} was not written by a streaming run of "
+                    f"{args.world_size} process(es), so the stream cannot be put back where it was."
+                )
+            with open(path) as f:
+                loader.load_state_dict(json.load(f))
+        self._stream_loader = loader
+        return loader
+
+    def _save_checkpoint(self, model, trial):
+        if self.is_streaming() and self._stream_loader is not None:
+            # Every rank writes its own stream's state (ranks read different shards); then the main process goes on.
+            folder = checkpoint_folder(self, trial)
+            with open(os.path.join(folder, STREAM_STATE_FILE.format(rank=self.args.process_index)), "w") as f:
+                json.dump(self._stream_loader.state_dict(), f)
+            self.accelerator.wait_for_everyone()
+        super()._save_checkpoint(model, trial)
+
+    def _init_training_state(self, max_steps, num_update_steps_per_epoch, num_train_epochs, resume_from_checkpoint,
+                             trial):  # fmt: skip
+        values = super()._init_training_state(
+            max_steps, num_update_steps_per_epoch, num_train_epochs, resume_from_checkpoint, trial
+        )
+        if self.is_streaming() and resume_from_checkpoint is not None and self.state.global_step >= max_steps:
+            return num_train_epochs, 0  # a finished run resumed: no epoch left
+        return values

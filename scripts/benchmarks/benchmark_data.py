@@ -1,9 +1,9 @@
 """
 Benchmark the data pipeline on easy-VQA: mm_fusion's `prepare_dataset` + `ImageTextCollator` (also grouped by length,
-and without workers) against the two baselines of DESIGN.md (`seed`, `run_clip`), at each image size. Each trial runs
-in a new Python with an empty datasets cache; contenders are interleaved and repeated, and the table gives medians
-(min–max) of steady-state samples/s, the cold first epoch, padding and peak memory; a second table times the start-up
-of `prepare_dataset` on all of easy-VQA, cold then warm. Method: scripts/benchmarks/README.md.
+and without workers) against the two baselines (`seed`, `run_clip`; scripts/benchmarks/README.md), at each image
+size. Each trial runs in a new Python with an empty datasets cache; contenders are interleaved and repeated, and the
+table gives medians (min–max) of steady-state samples/s, the cold first epoch, padding and peak memory; a second table
+times the start-up of `prepare_dataset` on all of easy-VQA, cold then warm. Method: scripts/benchmarks/README.md.
 
     python scripts/benchmarks/benchmark_data.py     # the full benchmark (about 9 minutes on 2 cores)
     python scripts/benchmarks/benchmark_data.py --num_samples 512 --repeats 1 --epochs 2 --startup_repeats 1  # a look
@@ -93,7 +93,7 @@ class PeakRSS:
 
 
 def seed_loader(rows, tokenizer, size, args):
-    """The source articles' pipeline, as DESIGN.md describes it."""
+    """The source articles' pipeline (the `seed` baseline of scripts/benchmarks/README.md)."""
     import torch
     from PIL import Image
     from torchvision import transforms

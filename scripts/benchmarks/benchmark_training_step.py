@@ -1,6 +1,6 @@
 """
-Benchmark one training step of mm_fusion against the two baselines of DESIGN.md on easy-VQA (VQA as classification
-over its 13 answers), at 64 px and upsampled to 224 px, in one run on one machine.
+Benchmark one training step of mm_fusion against the two baselines (scripts/benchmarks/README.md, "The baselines") on
+easy-VQA (VQA as classification over its 13 answers), at 64 px and upsampled to 224 px, in one run on one machine.
 
 All three contenders train the same towers (the recipe's ViT and BERT, 2 fusion layers), with the same tokenizer,
 seed, optimizer settings (read from `mm_fusion.training`'s argument defaults) and 64 samples per optimizer step:
@@ -39,7 +39,7 @@ CONTENDERS = ("seed", "run_clip", "mm_fusion")
 PARTS = ("data_wait", "forward", "backward", "optimizer", "other")  # the split of a step's wall time
 TARGETS = {"seed": 2.0, "run_clip": 1.3}  # mm_fusion's throughput must be at least this many times theirs
 DATA_WAIT_TARGET = 0.05  # mm_fusion's data wait, as a fraction of step time
-SEED_MICRO_BATCH, SEED_MAX_LENGTH = 32, 512  # DESIGN.md's seed style
+SEED_MICRO_BATCH, SEED_MAX_LENGTH = 32, 512  # the seed baseline's
 # Per-size defaults of the step counts; other sizes take those of the nearest size listed.
 DEFAULT_WARMUP = {64: 3, 224: 2}
 DEFAULT_STEPS = {64: 15, 224: 5}

@@ -54,9 +54,15 @@ def test_tiny_run_of_every_variant_and_merge(tmp_path):
     ladder.main(["--variants", *ladder.VARIANTS[5:], "--output", str(second), *common])
     merged = ladder.main(["--merge", f"{first}.json", f"{second}.json", "--output", str(tmp_path / "all")])
     assert [r["variant"] for r in merged["runs"]] == list(ladder.VARIANTS)
+    relational = [f for f in ladder.FAMILIES if f not in ladder.NON_RELATIONAL]
     for run in merged["runs"]:
         assert [e["step"] for e in run["evaluations"]] == [1, 2]
-        assert 0.0 <= run["evaluations"][-1]["relational"] <= 1.0
+        last = run["evaluations"][-1]
+        # 2 test images x 6 colours: each family's accuracy counts 12 questions, and `relational` is their mean.
+        for family in ladder.FAMILIES:
+            assert last[family] * 12 == pytest.approx(round(last[family] * 12), abs=0.01), (run["variant"], family)
+        mean = sum(last[f] for f in relational) / len(relational)
+        assert last["relational"] == pytest.approx(mean, abs=1e-4), run["variant"]
     assert json.loads((tmp_path / "all.json").read_text())["runs"] == merged["runs"]
     table = (tmp_path / "all.md").read_text()
     assert all(f"| {name} | 2 |" in table for name in ladder.VARIANTS)
