@@ -1,7 +1,8 @@
 """
 Training with `Trainer` / Accelerate, the library side of `scripts/train.py`, a module a step: `arguments` (1, parse),
-`data` (2, the pairs), `models` (3, tokenizer, model, processor), `run` (4 to 7: trainer, evaluation, saving), with
-the trainer, its monitor, metrics, checkpoints, samplers, gradient cache and model card beside them.
+`data_path` (2, the pairs, on the Arrow path of `data` or the streaming one of `streaming`), `models` (3, tokenizer,
+model, processor), `run` (4 to 7: trainer, evaluation, saving), with the trainer and its units (one per feature),
+its monitor, metrics, checkpoints, samplers, gradient cache and model card beside them.
 
 Not imported by `mm_fusion` itself: the library never pulls in the training stack (open_clip's split).
 """
@@ -27,11 +28,11 @@ from .data import (
     check_eval_data,
     encode_labels,
     load_raw_datasets,
-    load_training_data,
     parse_overrides,
     prepare_training_data,
     split_off_eval,
 )
+from .data_path import load_training_data
 from .grad_cache import ITCGradCache, build_itc_cache, cached_micro_batch_loss, train_window
 from .launch import check_launch
 from .metrics import classification_metrics, load_metric, retrieval_metrics

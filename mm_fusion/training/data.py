@@ -1,13 +1,20 @@
 """
-Step 2 of `scripts/train.py`, the data: the pairs loaded (easy-VQA, Sort-of-CLEVR, files, hub data sets), their
-columns checked and their labels encoded ([`load_training_data`]); after the model is built, preprocessed once into
-the Arrow cache ([`prepare_training_data`]) and batched by the collators ([`build_collators`]).
+Step 2 of `scripts/train.py`, the data, on one of two paths ([`DataPath`]), which
+[`mm_fusion.training.data_path.load_training_data`] chooses once from `--streaming`:
+
+- the Arrow path ([`ARROW`], this module): the pairs loaded (easy-VQA, Sort-of-CLEVR, files, hub data sets), their
+  columns checked and their labels encoded ([`load_arrow_data`]); after the model is built, validated and
+  preprocessed once into the Arrow cache ([`prepare_training_data`]) and batched by the collators
+  ([`build_collators`]);
+- the streaming path ([`mm_fusion.training.streaming.STREAMING`]): shards read, validated and preprocessed as they
+  are read.
 """
 
 import inspect
 import json
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,14 +50,33 @@ class TrainingData:
     datasets: DatasetDict
     labels: list[str] | None
     group_columns: list[str]
+    path: "DataPath | None" = None  # the path that loaded them
 
 
-def load_training_data(model_args: ModelArguments, data_args: DataArguments, training_args) -> TrainingData:
+@dataclass(frozen=True)
+class DataPath:
+    """
+    How a run's pairs go from the loaded rows to the model: the Arrow path ([`ARROW`]) or the streaming one
+    ([`mm_fusion.training.streaming.STREAMING`]).
+
+    Attributes:
+        streaming (`bool`): whether the training pairs are a stream (no length, read as they are trained on).
+        load: `(model_args, data_args, training_args) -> TrainingData`, the pairs loaded and checked.
+        tokenizer_texts: `(data, data_args) -> list[str]`, what a tokenizer trained for the run learns from.
+        prepare: `(data, tokenizer, image_size, task, data_args, training_args)`, the pairs validated and
+            preprocessed: an object with `pairs` (`train` and maybe `eval`) and `quarantine`.
+        collators: `(prepared, pad_token_id, image_size, task, data_args) -> (training, evaluation)` collators.
+    """
+
+    streaming: bool
+    load: Callable
+    tokenizer_texts: Callable
+    prepare: Callable
+    collators: Callable
+
+
+def load_arrow_data(model_args: ModelArguments, data_args: DataArguments, training_args) -> TrainingData:
     """Load the pairs the arguments name, check their columns and evaluation set, and encode their labels."""
-    if data_args.streaming:
-        from .streaming import load_streaming_data
-
-        return load_streaming_data(model_args, data_args, training_args)
     task = model_args.task
     data = load_raw_datasets(data_args, seed=training_args.seed, task=task)
     check_columns(data, data_args, task)
@@ -64,12 +90,8 @@ def load_training_data(model_args: ModelArguments, data_args: DataArguments, tra
     return TrainingData(data, labels, group_columns)
 
 
-def tokenizer_texts(data: TrainingData, data_args: DataArguments) -> list[str]:
-    """The texts a tokenizer trained for this run learns its vocabulary from."""
-    if data_args.streaming:
-        from .streaming import stream_texts
-
-        return stream_texts(data.datasets["train"], data_args.text_column)
+def arrow_tokenizer_texts(data: TrainingData, data_args: DataArguments) -> list[str]:
+    """The texts a tokenizer trained for this run learns its vocabulary from: the training texts."""
     texts = list(data.datasets["train"][data_args.text_column])
     if data_args.dataset == "sort_of_clevr":
         # Its vocabulary is fixed by the generator: a tokenizer trained on captions then covers the questions it is
@@ -115,6 +137,17 @@ def build_collators(
 
     flips = v2.Compose([v2.RandomHorizontalFlip(), v2.RandomVerticalFlip()])
     return ImageTextCollator(prepared.images, image_transform=flips, **kwargs), collator
+
+
+ARROW = DataPath(
+    streaming=False,
+    load=load_arrow_data,
+    tokenizer_texts=arrow_tokenizer_texts,
+    prepare=prepare_training_data,
+    collators=lambda prepared, pad_token_id, image_size, task, data_args: build_collators(
+        prepared, pad_token_id, task, data_args
+    ),
+)
 
 
 def load_raw_datasets(data_args: DataArguments, seed: int = 42, task: str = "vqa") -> DatasetDict:

@@ -15,7 +15,7 @@ from ..image_processing_mm_fusion import MMFusionImageProcessor
 from ..processing_mm_fusion import MMFusionProcessor
 from ..tokenizer_training import train_tokenizer
 from .arguments import DataArguments, ModelArguments
-from .data import TrainingData, parse_overrides, tokenizer_texts
+from .data import TrainingData, parse_overrides
 
 
 def build_model_and_processor(
@@ -63,7 +63,7 @@ def build_tokenizer(model_args: ModelArguments, data_args: DataArguments, traini
     # not to be found (trl#7223). Every rank must have the same vocabulary.
     files = [None]
     if training_args.process_index == 0:
-        tokenizer = train_tokenizer(tokenizer_texts(data, data_args), vocab_size=model_args.vocab_size)
+        tokenizer = train_tokenizer(data.path.tokenizer_texts(data, data_args), vocab_size=model_args.vocab_size)
         tokenizer.save_pretrained(directory)
         files = [{path.name: path.read_bytes() for path in directory.iterdir() if path.is_file()}]
     if training_args.world_size > 1:

@@ -11,7 +11,8 @@ from transformers import EarlyStoppingCallback
 
 from .arguments import MAIN_METRICS, DataArguments, MMFusionArgumentParser, MMFusionTrainingArguments, ModelArguments
 from .callbacks import add_monitor
-from .data import TrainingData, build_collators, load_training_data, prepare_training_data
+from .data import TrainingData
+from .data_path import load_training_data
 from .metrics import classification_metrics, retrieval_metrics
 from .model_card import MMFusionModelCard
 from .models import build_model_and_processor
@@ -37,14 +38,8 @@ def build_trainer(
     task = model_args.task
     tokenizer = processor.tokenizer
     image_size = processor.image_processor.size["height"]  # what the processor serves, the cache holds
-    if data_args.streaming:
-        from .streaming import build_streaming_collators, prepare_streaming_data
-
-        prepared = prepare_streaming_data(data, tokenizer, image_size, task, data_args, training_args)
-        train_collator, eval_collator = build_streaming_collators(tokenizer.pad_token_id, image_size, data_args)
-    else:
-        prepared = prepare_training_data(data, tokenizer, image_size, task, data_args, training_args)
-        train_collator, eval_collator = build_collators(prepared, tokenizer.pad_token_id, task, data_args)
+    prepared = data.path.prepare(data, tokenizer, image_size, task, data_args, training_args)
+    train_collator, eval_collator = data.path.collators(prepared, tokenizer.pad_token_id, image_size, task, data_args)
     train_pairs, eval_pairs = prepared.pairs["train"], prepared.pairs.get("eval")
     if task == "pretrain":
         compute_metrics, preprocess_logits = retrieval_metrics(), None
@@ -83,7 +78,7 @@ def build_trainer(
             model.config.fusion_type,
             sum(p.numel() for p in model.parameters()) / 1e6,
             f"{len(train_pairs)} pairs / {len(prepared.images)} images"
-            if not data_args.streaming
+            if not data.path.streaming
             else f"streamed from {len(data.datasets['train'].shards)} shards",
             len(eval_pairs) if eval_pairs is not None else 0,
             f"ablation {data_args.ablation}" if data_args.ablation != "none" else "no ablation",

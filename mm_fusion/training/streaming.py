@@ -17,6 +17,7 @@ from ..data import ShuffledStream, StreamingCollator, prepare_stream, read_quara
 from ..data.streaming import StreamSource
 from .arguments import DataArguments, ModelArguments
 from .checkpoints import checkpoint_folder
+from .data import DataPath, TrainingData
 
 
 TOKENIZER_TEXTS = 20_000  # a tokenizer trained for a streaming run learns from the first this many texts
@@ -36,8 +37,6 @@ def read_class_names(value: str) -> list[str]:
 def load_streaming_data(model_args: ModelArguments, data_args: DataArguments, training_args):
     """The streams of a `--streaming` run (nothing is read yet), as a `TrainingData` whose `datasets` hold
     [`StreamSource`]s; webdataset shards default to the columns `image` / `text`."""
-    from .data import TrainingData
-
     train = stream_source(data_args.dataset, data_root=data_args.data_root)
     sources = {"train": train}
     if data_args.eval_dataset:
@@ -125,6 +124,17 @@ def build_streaming_collators(pad_token_id: int | None, image_size: int, data_ar
 
     flips = v2.Compose([v2.RandomHorizontalFlip(), v2.RandomVerticalFlip()])
     return StreamingCollator(blank=blank, image_transform=flips, **kwargs), collator
+
+
+STREAMING = DataPath(
+    streaming=True,
+    load=load_streaming_data,
+    tokenizer_texts=lambda data, data_args: stream_texts(data.datasets["train"], data_args.text_column),
+    prepare=prepare_streaming_data,
+    collators=lambda prepared, pad_token_id, image_size, task, data_args: build_streaming_collators(
+        pad_token_id, image_size, data_args
+    ),
+)
 
 
 # Written into each checkpoint by every rank of a streaming run: its data loader's state (torchdata's
