@@ -20,17 +20,16 @@ from .configuration_mm_fusion import WORDS, MMFusionConfig
 from .distributed import all_gather_with_grad, broadcast_seed, gather_sizes, world
 from .image_maps import ImageMaps
 from .image_maps import image_maps as _image_maps
+from .vision_encoder import (  # noqa: F401  (normalize_uint8_pixels: importable from here too)
+    MMFusionVisionEncoder,
+    bridge_features,
+    normalize_uint8_pixels,
+    pool,
+    sequence,
+)
 from .vision_towers import (
-    MMFusionFeatureMapTokens,
     MMFusionFiLMLinear,
-    MMFusionVisionCrossAttention,
-    MMFusionVisionFiLM,
-    accepts,
     build_tower_model,
-    film_stages,
-    install_conv_stem,
-    num_stages,
-    stage_channels,
 )
 
 
@@ -285,16 +284,6 @@ class MMFusionEncoderOutput(ModelOutput):
     image_to_text_attentions: tuple[torch.FloatTensor, ...] | None = None
 
 
-def normalize_uint8_pixels(
-    pixel_values: torch.Tensor, mean: list[float], std: list[float], dtype: torch.dtype = torch.float32
-) -> torch.Tensor:
-    """`(pixel_values / 255 - mean) / std` per channel, computed as one fused multiply-add on the tensor's device."""
-    std64 = torch.tensor(std, dtype=torch.float64)
-    scale = (1.0 / (255.0 * std64)).view(1, -1, 1, 1).to(pixel_values.device, torch.float32)
-    shift = (-torch.tensor(mean, dtype=torch.float64) / std64).view(1, -1, 1, 1).to(pixel_values.device, torch.float32)
-    return torch.addcmul(shift, pixel_values.to(torch.float32), scale).to(dtype)
-
-
 def _check_inputs(
     config: MMFusionConfig,
     pixel_values: torch.Tensor | None,
@@ -346,21 +335,6 @@ def _check_inputs(
             f"`image_index` must hold rows of pixel_values in [0, {num_images}); got "
             f"{image_index[outside].tolist()[:10]} (a negative row would wrap around to the last images)."
         )
-
-
-def _sequence(hidden: torch.Tensor) -> torch.Tensor:
-    """Flatten a (B, C, H, W) feature map to (B, H*W, C); sequences pass through."""
-    return hidden.flatten(2).transpose(1, 2) if hidden.dim() == 4 else hidden
-
-
-def pool(hidden: torch.Tensor, mask: torch.Tensor | None, mode: str) -> torch.Tensor:
-    """Pool (B, T, D) to (B, D): the first token, or the mean over positions where `mask` is 1."""
-    if mode == "cls":
-        return hidden[:, 0]
-    if mask is None:
-        return hidden.mean(dim=1)
-    mask = mask.to(hidden.dtype).unsqueeze(-1)  # (B, T, 1)
-    return (hidden * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1.0)
 
 
 def eager_attention_forward(
@@ -851,7 +825,7 @@ class MMFusionPreTrainedModel(PreTrainedModel):
         return super().save_pretrained(save_directory, *args, **kwargs)
 
 
-class MMFusionModel(MMFusionPreTrainedModel):
+class MMFusionModel(MMFusionVisionEncoder, MMFusionPreTrainedModel):
     r"""
     The bare fusion model: a vision tower and a text tower (any transformers encoders, built from
     `config.vision_config` / `config.text_config`) and the fusion block chosen by `config.fusion_type`.
@@ -883,33 +857,7 @@ class MMFusionModel(MMFusionPreTrainedModel):
         # Share the sub-config objects so that changes through either path are seen by both.
         self.vision_model.config = config.vision_config
         self.text_model.config = config.text_config
-        if config.vision_conv_stem:
-            install_conv_stem(self.vision_model, config.vision_config, config.vision_conv_stem)
-        # A backbone / convolutional tower's feature maps become tokens of the fusion width.
-        self.feature_map_tokens = None
-        self._vision_takes_attentions = accepts(self.vision_model, "output_attentions")
-        # Derived from the vision config (a feature-map tower's stages by probing it): found once, not per forward.
-        self._vision_tower_type, self._vision_stages = config.vision_tower_type, config.vision_stages
-        if self._vision_tower_type != "transformer":
-            channels = stage_channels(config.vision_config, self._vision_stages)
-            self.feature_map_tokens = MMFusionFeatureMapTokens(
-                channels, config.vision_hidden_size, config.vision_position_embedding
-            )
-        # The text conditions every stage after the stem of a backbone / convolutional tower (one tower run per pair):
-        # FiLM scales and shifts each stage, or each cell of each stage reads the text's tokens by cross-attention.
-        self.vision_film = self.vision_text_attention = None
-        if config.vision_film or config.vision_text_attention:
-            count = num_stages(config.vision_config)
-            stages = list(range(1, count)) if self._vision_tower_type == "backbone" else list(range(count))
-            conditioned = film_stages(self.vision_model, config.vision_config)
-            channels = stage_channels(config.vision_config, stages)
-            text = config.text_config
-            if config.vision_film:
-                self.vision_film = MMFusionVisionFiLM(conditioned, channels, text.hidden_size)
-            else:
-                self.vision_text_attention = MMFusionVisionCrossAttention(
-                    conditioned, channels, text.hidden_size, text.num_attention_heads
-                )
+        self.init_vision_encoder(config)  # the conv stem, the feature-map tokens, the conditioning on the text
         self.is_late = config.fusion_type == "late"
         self.encoder = None if self.is_late else MMFusionEncoder(config)
         # image_pooling="flatten" concatenates every token, in order: their number, found once (on the meta device).
@@ -938,13 +886,33 @@ class MMFusionModel(MMFusionPreTrainedModel):
         image_index: torch.Tensor | None = None,
     ) -> tuple[ModelOutput, ModelOutput, list[torch.Tensor], list[torch.Tensor]]:
         """
-        Run both towers once; returns their outputs and the feature lists the fusion block reads. With
-        `config.vision_film`, the text tower runs first and the vision tower then runs once per text, on its image
-        (`pixel_values[image_index]`), modulated by it: the image features are then one per text.
+        Encode the images ([`encode_images`]) and the texts ([`encode_texts`]), each tower once; returns their outputs
+        and the feature lists the fusion block reads. When the text conditions the vision tower (`config.vision_film`
+        / `vision_text_attention`), the text tower runs first and the vision tower then runs once per text, on its
+        image (`pixel_values[image_index]`), conditioned on it: the image features are then one per text.
         """
-        hierarchical = self.config.fusion_type == "hierarchical"
         if not self.text_conditions_vision:
             vision_out, image_features = self.encode_images(pixel_values, output_attentions, output_hidden_states)
+        text_out, text_features = self.encode_texts(
+            input_ids, attention_mask, token_type_ids, output_attentions, output_hidden_states
+        )
+        if self.text_conditions_vision:
+            pixel_values = pixel_values[image_index] if image_index is not None else pixel_values
+            with self.conditioned_on(text_out.last_hidden_state, attention_mask):
+                vision_out, image_features = self.encode_images(pixel_values, output_attentions, output_hidden_states)
+        return vision_out, text_out, image_features, text_features
+
+    def encode_texts(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        token_type_ids: torch.Tensor | None = None,
+        output_attentions: bool = False,
+        output_hidden_states: bool = False,
+    ) -> tuple[ModelOutput, list[torch.Tensor]]:
+        """Run the text tower: its output, and the text features the fusion block reads (one per bridge layer for
+        `"hierarchical"`, else the last hidden state)."""
+        hierarchical = self.config.fusion_type == "hierarchical"
         text_kwargs = {"token_type_ids": token_type_ids} if token_type_ids is not None else {}
         text_out = self.text_model(
             input_ids=input_ids,
@@ -954,69 +922,11 @@ class MMFusionModel(MMFusionPreTrainedModel):
             return_dict=True,
             **text_kwargs,
         )
-        if hierarchical:
-            layers = self.config.text_bridge_layers
-            words = self.text_model.get_input_embeddings()(input_ids) if WORDS in layers else None
-            text_features = self._bridge_features(text_out, layers, words)
-        else:
-            text_features = [text_out.last_hidden_state]
-        if self.text_conditions_vision:
-            pixel_values = pixel_values[image_index] if image_index is not None else pixel_values
-            if self.vision_film is not None:
-                text = pool(text_out.last_hidden_state, attention_mask, self.config.pooling_mode)
-                conditioned = self.vision_film.conditioned(text)
-            else:
-                conditioned = self.vision_text_attention.conditioned(text_out.last_hidden_state, attention_mask)
-            with conditioned:
-                vision_out, image_features = self.encode_images(pixel_values, output_attentions, output_hidden_states)
-        return vision_out, text_out, image_features, text_features
-
-    @property
-    def text_conditions_vision(self) -> bool:
-        """Whether the vision tower runs conditioned on each text (`vision_film` / `vision_text_attention`): it then
-        runs once per pair, and an image has no features without a text."""
-        return self.vision_film is not None or self.vision_text_attention is not None
-
-    def encode_images(
-        self, pixel_values: torch.Tensor, output_attentions: bool = False, output_hidden_states: bool = False
-    ) -> tuple[ModelOutput, list[torch.Tensor]]:
-        """
-        Run the vision tower: its output, and the image tokens the fusion block reads (one `(M, P,
-        config.vision_hidden_size)` tensor per bridge layer for `"hierarchical"`, else the last one). The tokens of a
-        transformer tower are its hidden states; those of a backbone / convolutional tower are its feature maps at
-        `config.vision_stages`, projected with positions ([`MMFusionFeatureMapTokens`]). The last tensor is the one
-        the image embedding pools.
-        """
-        hierarchical = self.config.fusion_type == "hierarchical"
-        pixel_values = self.normalize_pixels(pixel_values)
-        kind = self._vision_tower_type
-        if kind == "transformer":
-            vision_out = self.vision_model(
-                pixel_values=pixel_values,
-                output_attentions=output_attentions,
-                output_hidden_states=hierarchical or output_hidden_states,
-                return_dict=True,
-            )
-            if hierarchical:
-                return vision_out, self._bridge_features(vision_out, self.config.vision_bridge_layers)
-            return vision_out, [_sequence(vision_out.last_hidden_state)]
-        kwargs = {"output_attentions": output_attentions} if self._vision_takes_attentions else {}
-        # A backbone returns the maps of its `out_indices` (the stages read); another model all its hidden states.
-        vision_out = self.vision_model(
-            pixel_values=pixel_values,
-            output_hidden_states=output_hidden_states or kind == "feature_maps",
-            return_dict=True,
-            **kwargs,
-        )
-        return vision_out, self.feature_map_tokens(self._stage_maps(vision_out))
-
-    def _stage_maps(self, vision_out: ModelOutput) -> list[torch.Tensor]:
-        """A backbone / convolutional tower's feature maps at `config.vision_stages`, in that order."""
-        stages = self._vision_stages
-        if self._vision_tower_type == "backbone":  # `feature_maps` are the stages read, sorted, once each
-            by_stage = dict(zip(sorted(set(stages)), vision_out.feature_maps))
-            return [by_stage[i] for i in stages]
-        return [vision_out.hidden_states[i] for i in stages]
+        if not hierarchical:
+            return text_out, [text_out.last_hidden_state]
+        layers = self.config.text_bridge_layers
+        words = self.text_model.get_input_embeddings()(input_ids) if WORDS in layers else None
+        return text_out, bridge_features(text_out, layers, words)
 
     def encode(
         self,
@@ -1061,39 +971,6 @@ class MMFusionModel(MMFusionPreTrainedModel):
             vision_model_output=vision_out,
             text_model_output=text_out,
         )
-
-    def normalize_pixels(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        """
-        uint8 images in [0, 255] (as the data collator delivers them, 4x less to copy to the device than float) are
-        scaled and normalised with the config's `image_mean` / `image_std` here, on the model's device, once per
-        batch; other integer types must hold 0-255 values too. Float `pixel_values` are taken as already normalised
-        and pass through unchanged.
-        """
-        if pixel_values.is_floating_point():
-            return pixel_values
-        if pixel_values.dtype != torch.uint8:
-            # Integer pixels of another type (e.g. int64 from numpy) are 0-255 values too, not normalised ones.
-            low, high = int(pixel_values.min()), int(pixel_values.max())
-            if low < 0 or high > 255:
-                raise ValueError(
-                    f"Integer pixel_values ({pixel_values.dtype}) are read as 0-255 pixel values, but they range over "
-                    f"[{low}, {high}]. Pass uint8 images, or normalised float ones."
-                )
-            pixel_values = pixel_values.to(torch.uint8)
-        return normalize_uint8_pixels(pixel_values, self.config.image_mean, self.config.image_std, self.dtype)
-
-    @staticmethod
-    def _bridge_features(
-        tower_out: ModelOutput, layers: list[int | str], words: torch.Tensor | None = None
-    ) -> list[torch.Tensor]:
-        """Tower hidden states at the bridge layers (the last read after the tower's final norm); `words`, the word
-        embeddings, where a text bridge is `"words"`."""
-        hidden_states = tower_out.hidden_states
-        last = len(hidden_states) - 1
-        return [
-            words if i == WORDS else _sequence(tower_out.last_hidden_state if i == last else hidden_states[i])
-            for i in layers
-        ]
 
     def fuse(
         self,
@@ -1307,7 +1184,7 @@ class MMFusionModel(MMFusionPreTrainedModel):
             last_hidden_state, pooler_output = vision_out.last_hidden_state, self.embed_image(vision_out)
         else:  # the tower's map at the last stage the fusion reads; the embedding pools that stage's tokens
             vision_out, tokens = self.encode_images(pixel_values, output_attentions, output_hidden_states)
-            last_hidden_state = _sequence(self._stage_maps(vision_out)[-1])
+            last_hidden_state = sequence(self.stage_maps(vision_out)[-1])
             pooler_output = self._embed_image_tokens(tokens[-1])
         return BaseModelOutputWithPooling(
             last_hidden_state=last_hidden_state,
@@ -1362,7 +1239,7 @@ class MMFusionModel(MMFusionPreTrainedModel):
 
     def embed_image(self, vision_out: ModelOutput) -> torch.Tensor:
         """Pool a (transformer) vision tower output and project it (when the projections are built)."""
-        return self._embed_image_tokens(_sequence(vision_out.last_hidden_state))
+        return self._embed_image_tokens(sequence(vision_out.last_hidden_state))
 
     def _embed_image_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
         """Pool image tokens `(M, P, config.vision_hidden_size)` by `config.image_pooling` and project them (when the

@@ -8,9 +8,10 @@ The path of a pair, from raw rows to the model:
    sets) as a `DatasetDict`, or, for corpora too large for one disk, shards read as a stream ([`stream_source`]:
    webdataset tars, jsonl files with image folders, `load_dataset(..., streaming=True)`; `streaming.readers`).
 2. **Validation.** Every row is checked by the same [`prepare_images`] / [`prepare_texts`]: a row whose image is
-   missing, empty, truncated, not an image, too large or outside the data root, or whose text or label is bad, is left
-   out and written to a quarantine report with its id, source and reason, never dropped silently. A stream is validated shard by shard as it is read, in the data
-   loader's workers (`streaming.validation`: [`prepare_stream`], [`read_quarantine`]).
+   missing, empty, truncated, not an image, too large or outside the data root, or whose text or label is bad, is
+   left out and written to a quarantine report with its id, source and reason, never dropped silently. A stream is
+   validated shard by shard as it is read, in the data loader's workers (`streaming.validation`: [`prepare_stream`],
+   [`read_quarantine`]).
 3. **Cache or stream.** Arrow: [`prepare_dataset`] tokenizes and resizes once, by batched `map`, into the `datasets`
    cache, each distinct image stored once ([`PreparedData`]; uint8, JPEG or WebP, [`encode_pixels`]). Stream: each
    rank reads its own part, shuffled by a buffer and resumable exactly (`streaming.shuffle`: [`split_by_rank`],
