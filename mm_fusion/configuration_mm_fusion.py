@@ -128,13 +128,13 @@ class MMFusionConfig(PretrainedConfig):
             Width of the fusion feed-forward layers. Defaults to `4 * fusion_hidden_size`.
         fusion_layer_order (`str`, *optional*, defaults to `"self_first"`):
             The order of the two attentions in each fusion layer's streams. `"self_first"`: self-attention,
-            cross-attention, MLP (the order of a BERT decoder layer; models saved before this option load with it).
-            `"cross_first"`: each token reads the other modality with its query as the layer's input leaves it, then
-            the tokens attend to each other, then the MLP. With `"cross_first"` and the first text bridge on the word
-            embeddings (`text_bridge_layers=["words", ...]`), each word reads the image with a query of its own, the
-            same in every sentence it is in: on Sort-of-CLEVR that lets the read learned for one question serve the
-            others (`scripts/configs/sort_of_clevr_hierarchical.yaml` sets both; not yet the default, as easy-VQA's
-            default run learned more slowly with them: `scripts/research/results/sort_of_clevr_ladder.md`, 38-39).
+            cross-attention, MLP (the order of a BERT decoder layer; a saved config without this field loads with
+            it). `"cross_first"`: each token reads the other modality with its query as the layer's input leaves it,
+            then the tokens attend to each other, then the MLP. With `"cross_first"` and the first text bridge on the
+            word embeddings (`text_bridge_layers=["words", ...]`), each word reads the image with a query of its own,
+            the same in every sentence it is in, so that a read learned for one question serves the others: use it
+            when the texts name what to look at by single words (`scripts/configs/sort_of_clevr_hierarchical.yaml`
+            sets both).
         vision_bridge_layers (`list[int]`, *optional*):
             For `"hierarchical"`: which vision tower hidden states (0 = embeddings, `num_hidden_layers` = last layer)
             feed the fusion layers, one per fusion layer. Defaults to the last `num_fusion_layers` layers. For a
@@ -167,9 +167,9 @@ class MMFusionConfig(PretrainedConfig):
             element-wise product too (the multiplicative interaction late fusion always has), which gives the head the
             agreement of the two streams directly instead of leaving it to learn it. `scripts/train.py` uses
             `"concat_product"`. `"text"`: the pooled text stream alone, the text after it has read the image, so that
-            the image reaches the head only through the cross-attention (with `fusion_direction="text_to_image"` the
-            image stream does not depend on the text, so the pooled image beside it is a late-fusion path; see
-            `scripts/research/results/sort_of_clevr_ladder.md` for when that matters).
+            the image reaches the head only through the cross-attention. Use it with
+            `fusion_direction="text_to_image"` when the answer depends on what the text picks out of the image: there
+            the image stream does not depend on the text, so the pooled image beside it is a late-fusion path.
         projection_dim (`int`, *optional*, defaults to 256):
             Width of the image/text embeddings used by contrastive learning and late fusion.
         logit_scale_init_value (`float`, *optional*, defaults to 2.6592):
@@ -190,13 +190,15 @@ class MMFusionConfig(PretrainedConfig):
             How the linear and convolution layers outside the towers (fusion block, feature-map token projections,
             projections, heads) are drawn: `"normal"` (N(0, `initializer_range`), biases zero, as BERT / CLIP) or
             `"pytorch"` (as PyTorch draws a new `nn.Linear` / `nn.Conv2d`: uniform with bound 1 / sqrt(fan-in), about
-            N(0, 0.06) for a width of 96). On Sort-of-CLEVR only the second lets a late FiLM model leave the
-            question-only prior (`scripts/research/results/sort_of_clevr_ladder.md`).
+            N(0, 0.06) for a width of 96). Use `"pytorch"` with a convolutional tower trained from scratch whose
+            fusion or head must find where an object is (`scripts/train.py` sets it for such a tower with
+            cross-attention fusion and a classification head).
         feature_map_bridge (`bool`, *optional*, defaults to `True`):
             Whether a backbone / convolutional tower's tokens pass through the fusion's image bridge (a linear map to
             `fusion_hidden_size`) after their own 1x1 projection to that width. `False` feeds them to the fusion as
-            projected (plus positions), as the Sort-of-CLEVR cross-attention recipe does
-            (`scripts/research/results/sort_of_clevr_ladder.md`). Transformer towers always have their bridge.
+            projected (plus positions), one linear map fewer between the feature map and the attention
+            (`scripts/train.py` sets it for a convolutional tower trained from scratch with cross-attention fusion and
+            a classification head). Transformer towers always have their bridge.
         vision_position_embedding (`str`, *optional*, defaults to `"sine"`):
             How the tokens of a backbone / convolutional tower know where they are: `"sine"` (fixed 2-D sine
             embeddings added after the 1x1 projection to `fusion_hidden_size`), `"coordinates"` ((x, y) channels
@@ -215,16 +217,19 @@ class MMFusionConfig(PretrainedConfig):
             instead of once per image, and an image has no features without a text, so the contrastive / matching
             head ([`MMFusionForPretraining`]) and `get_image_features` are not available.
         vision_film_init (`str`, *optional*, defaults to `"zeros"`):
-            The FiLM maps' initial weights: `"zeros"` (training starts from the unconditioned tower) or `"pytorch"`
-            (drawn as PyTorch draws a new `nn.Linear`, so every question modulates the tower from the first step; the
-            only one of the two with which FiLM learned on Sort-of-CLEVR in the ladder).
+            The FiLM maps' initial weights: `"zeros"` (training starts from the unconditioned tower, for a pretrained
+            tower whose features should stay as they are at first) or `"pytorch"` (drawn as PyTorch draws a new
+            `nn.Linear`, so every question modulates the tower from the first step; use it for a tower trained from
+            scratch together with the text).
         vision_text_attention (`bool`, *optional*, defaults to `False`):
             Condition a backbone / convolutional vision tower on the text by cross-attention: after every stage but the
             stem, each cell of the stage's map reads the text's tokens (the text tower's last layer) with a query from
             its own channels, and what it reads is added to it. Unlike FiLM's one scale and shift for all cells, each
-            cell reads for itself, so the convolutions that follow see which cells the question is about. The same
-            consequences as `vision_film` (one tower run per pair; no pretraining head or `get_image_features`); the
-            two cannot be combined.
+            cell reads for itself, so the convolutions that follow see which cells the question is about: use it when
+            the answer depends on where the object the text names is (`scripts/train.py` sets it for a convolutional
+            tower trained from scratch with cross-attention fusion and a classification head). The same consequences
+            as `vision_film` (one tower run per pair; no pretraining head or `get_image_features`); the two cannot be
+            combined.
         image_mean (`list[float]`, *optional*, defaults to the ImageNet mean):
             Per-channel mean used when `pixel_values` arrive as uint8 in [0, 255] (as the data collator delivers
             them): the model then normalises them itself, on its device. Set it to the vision tower's own values

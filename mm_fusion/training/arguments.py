@@ -31,10 +31,10 @@ def cpu_threads(requested: int | None, env=os.environ) -> int | None:
     The torch threads a CPU training process should use, or `None` to leave torch's own setting.
 
     `accelerate launch` without `--num_cpu_threads_per_process` (and without a config that sets it) exports
-    `OMP_NUM_THREADS=1` to a single CPU process, so torch ran on one core of a two-core machine at ~2/3 of the speed
-    of the same run under `python`. Where that launcher default is seen, the physical cores are shared out between the
-    processes of this machine instead. An explicit `requested` count always wins; `OMP_NUM_THREADS` set to anything
-    else, or not by accelerate, is the user's choice and is kept.
+    `OMP_NUM_THREADS=1` to a single CPU process, which leaves torch one core: on a two-core machine, about 2/3 of the
+    speed of the same run under `python`. Where that launcher default is seen, the physical cores are shared out
+    between the processes of this machine instead. An explicit `requested` count always wins; `OMP_NUM_THREADS` set
+    to anything else, or not by accelerate, is the user's choice and is kept.
     """
     if requested is not None:
         if requested < 1:
@@ -218,10 +218,9 @@ class DataArguments:
     image_format: str = field(
         default="auto",
         metadata={
-            "help": "How the preprocessed images are stored: uint8 (raw), jpeg (quality 90, 4:4:4; lossy, 15-49x "
-            "smaller), webp (lossless) or auto: uint8 up to 8 GiB of raw images, JPEG above "
-            "(scripts/benchmarks/results/image_cache.md). With --streaming, how images travel from the loader's "
-            "workers (auto: uint8)."
+            "help": "How the preprocessed images are stored: uint8 (raw), jpeg (quality 90, 4:4:4; lossy, much "
+            "smaller), webp (lossless) or auto: uint8 up to 8 GiB of raw images, JPEG above. With --streaming, how "
+            "images travel from the loader's workers (auto: uint8)."
         },
     )
 
@@ -285,10 +284,8 @@ class MMFusionTrainingArguments(TrainingArguments):
     image_group_size: int = field(
         default=2,
         metadata={
-            "help": "With group_by_image: at most this many pairs of one image in a row (0: all of them). 2 puts ~32 "
-            "images in a batch of 64 easy-VQA questions: five seeds of the default run all learned the yes / no shape "
-            "questions, as random batches do, at less of their cost. With all of an image's pairs in a row (~7 images "
-            "a batch) or 4 (~16), some seeds left a shape word unlearned (scripts/benchmarks/README.md)."
+            "help": "With group_by_image: at most this many pairs of one image in a row (0: all of them); smaller "
+            "values put more distinct images in each batch."
         },
     )
     early_stopping_patience: int | None = field(
@@ -303,20 +300,18 @@ class MMFusionTrainingArguments(TrainingArguments):
     itc_grad_cache: bool = field(
         default=True,
         metadata={
-            "help": "pretrain with gradient_accumulation_steps k > 1: a gradient cache makes the contrastive (ITC) "
-            "loss of each optimizer step contrast all k x per-device batch x processes pairs, with exactly the "
-            "gradients of one big batch and the activation memory of one micro-batch. Costs one extra forward pass "
-            "of the towers without gradient per micro-batch (scripts/benchmarks/benchmark_grad_cache.py). ITM "
-            "negatives still come from each micro-batch across processes. Off: each micro-batch's ITC sees its own "
-            "pairs only. With k = 1 it changes nothing (the features are gathered across processes anyway)."
+            "help": "pretrain with gradient_accumulation_steps > 1: the contrastive (ITC) loss of each optimizer "
+            "step contrasts the pairs of all its micro-batches on all processes, with the gradients of one big batch "
+            "and the activation memory of one micro-batch (one extra forward pass per micro-batch); off: each "
+            "micro-batch's pairs only."
         },
     )
     text_tower_lr_scale: float = field(
         default=1.0,
         metadata={
-            "help": "The text tower's learning rate as a fraction of --learning_rate (its own AdamW parameter groups, "
-            "following the same schedule). 0.1 is what let a late FiLM model with a text tower built from scratch "
-            "learn Sort-of-CLEVR (scripts/research/results/sort_of_clevr_ladder.md); 1 trains every part alike."
+            "help": "The text tower's learning rate as a fraction of --learning_rate, on the same schedule "
+            "(sort_of_clevr.yaml and sort_of_clevr_hierarchical.yaml set 0.1 for a text tower trained from scratch; "
+            "1 trains every part alike)."
         },
     )
     batch_size_ramp_max: int | None = field(
@@ -400,9 +395,9 @@ class MMFusionTrainingArguments(TrainingArguments):
 
     @cached_property
     def _setup_devices(self) -> torch.device:
-        # TrainingArguments hands `ddp_timeout` to the process group only when not `use_cpu`, so a multi-CPU run got
-        # gloo's 30-minute default and a stalled rank hung the others that long. Set the group up with it here;
-        # accelerate then uses the group as it is.
+        # TrainingArguments hands `ddp_timeout` to the process group only when not `use_cpu`; a multi-CPU run would
+        # get gloo's 30-minute default, and a stalled rank would hang the others that long. The group is set up with
+        # `ddp_timeout` here, and accelerate uses it as it is.
         distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
         if self.use_cpu and distributed and not torch.distributed.is_initialized():
             torch.distributed.init_process_group(
