@@ -23,6 +23,9 @@ FUSION_DIRECTIONS = ("bidirectional", "text_to_image")
 POOLING_MODES = ("mean", "cls")
 IMAGE_POOLING = ("mean", "cls", "flatten")
 JOINT_POOLING = ("concat", "concat_product", "text")
+INIT_SCHEMES = ("normal", "pytorch")
+# The two settings `init_scheme` replaces, still read from configs saved with them: their values, and the scheme each
+# "pytorch" gives.
 FILM_INITS = ("zeros", "pytorch")
 FUSION_INITS = ("normal", "pytorch")
 FUSION_LAYER_ORDERS = ("cross_first", "self_first")
@@ -94,6 +97,26 @@ def _check_tower_config(config: PretrainedConfig, role: str) -> None:
         raise ValueError(
             f"`{name}` ({type(config).__name__}) has no `hidden_size`; mm_fusion fuses {role} {kinds} towers."
         )
+
+
+def _init_scheme(init_scheme: str | None, fusion_init: str | None, vision_film_init: str | None) -> str:
+    """`init_scheme`, or the scheme of the two settings it replaced (`fusion_init`, `vision_film_init`), which configs
+    saved with them still carry: `"pytorch"` where either is `"pytorch"`."""
+    if fusion_init is not None and fusion_init not in FUSION_INITS:
+        raise ValueError(f"Unknown fusion_init {fusion_init!r}; valid values are {', '.join(FUSION_INITS)}.")
+    if vision_film_init is not None and vision_film_init not in FILM_INITS:
+        raise ValueError(f"Unknown vision_film_init {vision_film_init!r}; valid values are {', '.join(FILM_INITS)}.")
+    if init_scheme is not None and init_scheme not in INIT_SCHEMES:
+        raise ValueError(f"Unknown init_scheme {init_scheme!r}; valid values are {', '.join(INIT_SCHEMES)}.")
+    if fusion_init is None and vision_film_init is None:
+        return init_scheme or "normal"
+    earlier = "pytorch" if "pytorch" in (fusion_init, vision_film_init) else "normal"
+    if init_scheme is not None and init_scheme != earlier:
+        raise ValueError(
+            f"init_scheme={init_scheme!r} and fusion_init={fusion_init!r} / vision_film_init={vision_film_init!r} "
+            "disagree: init_scheme replaces the two, give it alone."
+        )
+    return earlier
 
 
 class MMFusionConfig(PretrainedConfig):
@@ -186,13 +209,17 @@ class MMFusionConfig(PretrainedConfig):
             Dropout before the classification head's output layer.
         initializer_range (`float`, *optional*, defaults to 0.02):
             Standard deviation of the normal initialisation of the fusion block and heads.
-        fusion_init (`str`, *optional*, defaults to `"normal"`):
-            How the linear and convolution layers outside the towers (fusion block, feature-map token projections,
-            projections, heads) are drawn: `"normal"` (N(0, `initializer_range`), biases zero, as BERT / CLIP) or
-            `"pytorch"` (as PyTorch draws a new `nn.Linear` / `nn.Conv2d`: uniform with bound 1 / sqrt(fan-in), about
-            N(0, 0.06) for a width of 96). Use `"pytorch"` with a convolutional tower trained from scratch whose
-            fusion or head must find where an object is (`scripts/train.py` sets it for such a tower with
-            cross-attention fusion and a classification head).
+        init_scheme (`str`, *optional*, defaults to `"normal"`):
+            How the layers outside the towers (fusion block, feature-map token projections, FiLM maps, projections,
+            heads) are drawn. `"normal"`: linear layers N(0, `initializer_range`) with zero biases, as BERT / CLIP, and
+            the FiLM maps zero, so that training starts from the unconditioned tower (for a pretrained tower whose
+            features should stay as they are at first). `"pytorch"`: every linear and convolution layer, the FiLM
+            maps included, as PyTorch draws a new `nn.Linear` / `nn.Conv2d` (uniform with bound 1 / sqrt(fan-in),
+            about N(0, 0.06) for a width of 96), so every question modulates the tower from the first step: use it
+            for a convolutional tower trained from scratch whose fusion or head must find where an object is
+            (`scripts/train.py` sets it for such a tower with cross-attention fusion and a classification head).
+            Configs saved with the earlier `fusion_init` / `vision_film_init` load with `"pytorch"` where either
+            was `"pytorch"`.
         feature_map_bridge (`bool`, *optional*, defaults to `True`):
             Whether a backbone / convolutional tower's tokens pass through the fusion's image bridge (a linear map to
             `fusion_hidden_size`) after their own 1x1 projection to that width. `False` feeds them to the fusion as
@@ -216,11 +243,6 @@ class MMFusionConfig(PretrainedConfig):
             zero, so training starts from the unconditioned tower). The tower then runs once per image-text pair
             instead of once per image, and an image has no features without a text, so the contrastive / matching
             head ([`MMFusionForPretraining`]) and `get_image_features` are not available.
-        vision_film_init (`str`, *optional*, defaults to `"zeros"`):
-            The FiLM maps' initial weights: `"zeros"` (training starts from the unconditioned tower, for a pretrained
-            tower whose features should stay as they are at first) or `"pytorch"` (drawn as PyTorch draws a new
-            `nn.Linear`, so every question modulates the tower from the first step; use it for a tower trained from
-            scratch together with the text).
         vision_text_attention (`bool`, *optional*, defaults to `False`):
             Condition a backbone / convolutional vision tower on the text by cross-attention: after every stage but the
             stem, each cell of the stage's map reads the text's tokens (the text tower's last layer) with a query from
@@ -286,12 +308,12 @@ class MMFusionConfig(PretrainedConfig):
         vision_position_embedding: str = "sine",
         vision_conv_stem: list[int] | None = None,
         vision_film: bool = False,
-        vision_film_init: str = "zeros",
         vision_text_attention: bool = False,
-        fusion_init: str = "normal",
+        init_scheme: str | None = None,
         feature_map_bridge: bool = True,
         **kwargs,
     ):
+        init_scheme = _init_scheme(init_scheme, kwargs.pop("fusion_init", None), kwargs.pop("vision_film_init", None))
         if fusion_type not in FUSION_TYPES:
             raise ValueError(f"Unknown fusion_type {fusion_type!r}; valid fusion types are {', '.join(FUSION_TYPES)}.")
         if pooling_mode not in POOLING_MODES:
@@ -352,14 +374,7 @@ class MMFusionConfig(PretrainedConfig):
             )
         self.vision_film = bool(vision_film)
         self.vision_text_attention = bool(vision_text_attention)
-        if vision_film_init not in FILM_INITS:
-            raise ValueError(
-                f"Unknown vision_film_init {vision_film_init!r}; valid values are {', '.join(FILM_INITS)}."
-            )
-        self.vision_film_init = vision_film_init
-        if fusion_init not in FUSION_INITS:
-            raise ValueError(f"Unknown fusion_init {fusion_init!r}; valid values are {', '.join(FUSION_INITS)}.")
-        self.fusion_init = fusion_init
+        self.init_scheme = init_scheme
         self.feature_map_bridge = bool(feature_map_bridge)
         if self.vision_tower_type == "backbone":  # the backbone outputs exactly the stages fusion reads
             self.vision_config = with_out_indices(self.vision_config, self.vision_stages)

@@ -708,7 +708,7 @@ class MMFusionPreTrainedModel(PreTrainedModel):
         tokens = int(mask.sum()) if mask is not None else input_ids.numel()
         pairs = input_ids.shape[0]
         config = self.config
-        conditioned = getattr(config, "vision_film", False) or getattr(config, "vision_text_attention", False)
+        conditioned = config.vision_film or config.vision_text_attention
         images = pairs if conditioned else pixel_values.shape[0]  # a tower conditioned on the text: one per text
         return 6 * (vision * images * patches + text * tokens + rest * (tokens + pairs * patches))
 
@@ -730,9 +730,9 @@ class MMFusionPreTrainedModel(PreTrainedModel):
     def _init_weights(self, module: nn.Module):
         # The towers are PreTrainedModels and get their own `_init_weights`; this sees the fusion block and heads.
         std = self.config.initializer_range
-        pytorch_draw = getattr(self.config, "fusion_init", "normal") == "pytorch"
+        pytorch_draw = self.config.init_scheme == "pytorch"
         if isinstance(module, MMFusionFiLMLinear):
-            if getattr(self.config, "vision_film_init", "zeros") == "pytorch":
+            if pytorch_draw:
                 _pytorch_draw(module)
             else:  # FiLM starts as the identity: the unconditioned tower
                 init.zeros_(module.weight)
@@ -1451,7 +1451,7 @@ class MMFusionForPretraining(MMFusionPreTrainedModel):
     """
 
     def __init__(self, config: MMFusionConfig):
-        if getattr(config, "vision_film", False) or getattr(config, "vision_text_attention", False):
+        if config.vision_film or config.vision_text_attention:
             raise ValueError(
                 "MMFusionForPretraining's contrastive loss needs an embedding per image apart from any text, which a "
                 "vision tower conditioned on the text (vision_film / vision_text_attention) does not give: set both "

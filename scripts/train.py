@@ -22,6 +22,7 @@ from mm_fusion.training import (
     final_metrics,
     load_training_data,
     save_run,
+    settle_arguments,
 )
 
 
@@ -31,9 +32,10 @@ def main(argv: list[str] | None = None) -> dict:
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
     hf_logging.set_verbosity_warning()
 
-    # 1. Parse: flags, or a YAML / JSON config file with flags after it overriding its values. The launch is checked
-    #    against this machine and `--resume_from_checkpoint last` becomes the newest complete checkpoint.
-    model_args, data_args, training_args = MMFusionArgumentParser().parse_args_and_config(argv)
+    # 1. Parse: flags, or a YAML / JSON config file with flags after it overriding its values. Then the rules across
+    #    the arguments: the launch is checked against this machine, the task's defaults are set, and
+    #    `--resume_from_checkpoint last` becomes the newest complete checkpoint.
+    model_args, data_args, training_args = settle_arguments(*MMFusionArgumentParser().parse_args_and_config(argv))
 
     # 2. Data: the pairs, their columns and evaluation set checked, their labels encoded.
     data = load_training_data(model_args, data_args, training_args)

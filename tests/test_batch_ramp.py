@@ -71,11 +71,11 @@ def test_a_ramped_run_grows_its_batches_and_scales_its_learning_rate(tmp_path):
     ],
 )
 def test_ramp_flags_are_checked(tmp_path, flags, message):
-    from mm_fusion.training import MMFusionArgumentParser
+    from mm_fusion.training import parse_arguments
 
     argv = ["--output_dir", str(tmp_path), "--per_device_train_batch_size", "4", "--batch_size_ramp_max", "8", *flags]
     with pytest.raises(ValueError, match=message):
-        MMFusionArgumentParser().parse_args_and_config(argv)
+        parse_arguments(argv)
 
 
 def test_auto_batch_size_resumes_with_the_batch_it_agreed_on(tmp_path):

@@ -80,7 +80,7 @@ def test_grad_cam_explains_the_answer_asked_for(tester):
 
 def test_grad_cam_of_a_film_model_follows_the_question(tester):
     """With FiLM the tower's map is the text's: the same image asked two things gets two maps."""
-    model = classifier(tester, "late", "resnet", vision_film=True, vision_film_init="pytorch")
+    model = classifier(tester, "late", "resnet", vision_film=True, init_scheme="pytorch")
     inputs = tester.inputs()
     pixel_values = inputs["pixel_values"][:1].expand(3, -1, -1, -1)
     result = model.image_maps(**{**inputs, "pixel_values": pixel_values})

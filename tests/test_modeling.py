@@ -315,7 +315,7 @@ def test_cross_first_layers_read_the_image_with_each_words_own_query(tester, dir
     def first_read(**settings) -> torch.Tensor:
         torch.manual_seed(0)
         words = {"fusion_layer_order": "cross_first", "text_bridge_layers": ["words", 2]} | settings
-        config = _small_config(tester, fusion_direction=direction, fusion_init="pytorch", **words)  # not uniform
+        config = _small_config(tester, fusion_direction=direction, init_scheme="pytorch", **words)  # not uniform
         model = _eager_copy(MMFusionForImageTextClassification(config).eval())
         with torch.no_grad():
             first = model(**inputs, output_attentions=True).text_to_image_attentions[0]  # (2, heads, T, P)

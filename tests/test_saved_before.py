@@ -83,9 +83,8 @@ def test_old_directory_saves_again_in_the_same_format(name, tmp_path):
         "vision_position_embedding": "sine",
         "vision_conv_stem": None,
         "vision_film": False,
-        "vision_film_init": "zeros",
         "vision_text_attention": False,
-        "fusion_init": "normal",
+        "init_scheme": "normal",
         "feature_map_bridge": True,
         "fusion_layer_order": "self_first",
     }

@@ -12,7 +12,7 @@ from PIL import Image
 
 from mm_fusion.data import load_sort_of_clevr
 from mm_fusion.data.sort_of_clevr import COLOURS, _rows
-from mm_fusion.training import MMFusionArgumentParser, setup_run, train_and_save
+from mm_fusion.training import parse_arguments, setup_run, train_and_save
 
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -187,9 +187,7 @@ def test_finetuning_from_a_pretraining_checkpoint_starts_from_its_towers(tmp_pat
     "name", ["sort_of_clevr", "sort_of_clevr_hierarchical", "sort_of_clevr_pretrain", "sort_of_clevr_short"]
 )
 def test_shipped_recipes_parse(name):
-    model_args, data_args, training_args = MMFusionArgumentParser().parse_args_and_config(
-        [str(ROOT / "scripts" / "configs" / f"{name}.yaml")]
-    )
+    model_args, data_args, training_args = parse_arguments([str(ROOT / "scripts" / "configs" / f"{name}.yaml")])
     assert data_args.dataset == "sort_of_clevr" and "num_train_images=10000" in data_args.dataset_options
     assert model_args.task == ("pretrain" if name.endswith("pretrain") else "vqa")
     if name.endswith("pretrain"):

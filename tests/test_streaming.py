@@ -255,11 +255,11 @@ def test_two_ranks_see_every_good_pair_exactly_once(tmp_path, shards, strategy):
     ],
 )
 def test_streaming_flags_are_checked_before_any_work(tmp_path, flags, message):
-    from mm_fusion.training import MMFusionArgumentParser
+    from mm_fusion.training import parse_arguments
 
     argv = ["--streaming", "--dataset", str(tmp_path / "*.tar"), "--output_dir", str(tmp_path / "out"), *flags]
     with pytest.raises(ValueError, match=message):
-        MMFusionArgumentParser().parse_args_and_config(argv)
+        parse_arguments(argv)
 
 
 def test_a_stream_without_a_usable_pair_is_an_error_not_a_hang(tmp_path, tok):
@@ -567,13 +567,13 @@ def test_a_folder_of_shards_is_read_as_its_sorted_shards(tmp_path, tok, caplog):
 
 
 def test_shuffle_buffer_size_below_zero_is_an_error_and_zero_keeps_the_shard_order(tmp_path, tok):
-    from mm_fusion.training import MMFusionArgumentParser
+    from mm_fusion.training import parse_arguments
 
     argv = ["--streaming", "--dataset", str(tmp_path / "*.tar"), "--output_dir", str(tmp_path / "out"),
             "--max_steps", "5", "--class_names", "a,b", "--shuffle_buffer_size"]  # fmt: skip
     with pytest.raises(ValueError, match=r"^--shuffle_buffer_size must be .* got -1\.$"):
-        MMFusionArgumentParser().parse_args_and_config([*argv, "-1"])
-    assert MMFusionArgumentParser().parse_args_and_config([*argv, "0"])[1].shuffle_buffer_size == 0
+        parse_arguments([*argv, "-1"])
+    assert parse_arguments([*argv, "0"])[1].shuffle_buffer_size == 0
     shards = write_shards(str(tmp_path / "wds"), shards=2, rows=4)
     stream = prepare_stream(shards["paths"], tok, id_column="uid", image_size=SIZE)
     with pytest.raises(ValueError, match="buffer_size must be 0 or more rows"):

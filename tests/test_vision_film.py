@@ -127,15 +127,13 @@ def outside_the_towers(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 @pytest.mark.parametrize("fusion_type", ["hierarchical", "late"])
 def test_pytorch_draws_of_the_film_maps_and_the_layers_outside_the_towers(tester, fusion_type, tmp_path):
-    """`vision_film_init="pytorch"` / `fusion_init="pytorch"` draw those layers as a new `nn.Linear` / `nn.Conv2d`
-    is drawn (uniform within 1 / sqrt(fan-in), biases too); the defaults keep zero FiLM maps and N(0,
+    """`init_scheme="pytorch"` draws the FiLM maps and the layers outside the towers as a new `nn.Linear` /
+    `nn.Conv2d` is drawn (uniform within 1 / sqrt(fan-in), biases too); the default keeps zero FiLM maps and N(0,
     initializer_range) with zero biases. A saved model keeps the choice and loads its weights as saved."""
     torch.manual_seed(0)
     default = MMFusionForImageTextClassification(film_config(tester, fusion_type=fusion_type))
     torch.manual_seed(0)
-    drawn = MMFusionForImageTextClassification(
-        film_config(tester, fusion_type=fusion_type, vision_film_init="pytorch", fusion_init="pytorch")
-    )
+    drawn = MMFusionForImageTextClassification(film_config(tester, fusion_type=fusion_type, init_scheme="pytorch"))
     for layer in drawn.mm_fusion.vision_film.maps:
         bound = 1 / layer.in_features**0.5
         assert layer.weight.abs().max() <= bound and layer.weight.std() > bound / 3  # uniform: std = bound / sqrt 3
@@ -152,7 +150,7 @@ def test_pytorch_draws_of_the_film_maps_and_the_layers_outside_the_towers(tester
             assert layer.bias.abs().max() <= bound and layer.bias.any() and not normal.bias.any(), layer
     drawn.save_pretrained(tmp_path)
     reloaded = MMFusionForImageTextClassification.from_pretrained(tmp_path)
-    assert (reloaded.config.vision_film_init, reloaded.config.fusion_init) == ("pytorch", "pytorch")
+    assert reloaded.config.init_scheme == "pytorch"
     for name, value in drawn.state_dict().items():
         torch.testing.assert_close(reloaded.state_dict()[name], value, rtol=0, atol=0, msg=name)
 
@@ -160,10 +158,31 @@ def test_pytorch_draws_of_the_film_maps_and_the_layers_outside_the_towers(tester
 @pytest.mark.parametrize(
     "bad, message",
     [
+        ({"init_scheme": "xavier"}, "Unknown init_scheme 'xavier'; valid values are normal, pytorch"),
         ({"vision_film_init": "ones"}, "Unknown vision_film_init 'ones'; valid values are zeros, pytorch"),
         ({"fusion_init": "xavier"}, "Unknown fusion_init 'xavier'; valid values are normal, pytorch"),
+        ({"init_scheme": "normal", "fusion_init": "pytorch"}, "init_scheme replaces the two, give it alone"),
     ],
 )
 def test_unknown_initialisations_are_refused(tester, bad, message):
     with pytest.raises(ValueError, match=message):
         film_config(tester, **bad)
+
+
+@pytest.mark.parametrize(
+    "earlier, scheme",
+    [
+        ({"vision_film_init": "zeros", "fusion_init": "normal"}, "normal"),
+        ({"vision_film_init": "pytorch", "fusion_init": "pytorch"}, "pytorch"),
+        ({"vision_film_init": "zeros", "fusion_init": "pytorch"}, "pytorch"),
+        ({"fusion_init": "pytorch"}, "pytorch"),
+        ({"vision_film_init": "zeros"}, "normal"),
+    ],
+)
+def test_the_two_earlier_initialisation_settings_load_as_one_scheme(tester, earlier, scheme):
+    """A config saved with `vision_film_init` / `fusion_init` loads with the `init_scheme` they amount to, and saves
+    that alone."""
+    saved = {k: v for k, v in film_config(tester).to_dict().items() if k != "init_scheme"}  # as saved before it
+    config = MMFusionConfig.from_dict({**saved, **earlier})
+    assert config.init_scheme == scheme
+    assert "init_scheme" in config.to_dict() and not {"vision_film_init", "fusion_init"} & config.to_dict().keys()

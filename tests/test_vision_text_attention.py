@@ -144,7 +144,7 @@ def test_train_py_gives_a_conv_tower_with_cross_attention_its_reads():
         return build_config(ModelArguments(**kwargs), 64, 50, 16, ["yes", "no"])
 
     def chosen(cfg):
-        return cfg.vision_text_attention, cfg.fusion_init, cfg.feature_map_bridge
+        return cfg.vision_text_attention, cfg.init_scheme, cfg.feature_map_bridge
 
     earlier = (False, "normal", True)
     assert chosen(MMFusionConfig()) == earlier
@@ -154,7 +154,8 @@ def test_train_py_gives_a_conv_tower_with_cross_attention_its_reads():
         "pytorch",
         False,
     )
-    assert chosen(config(config_overrides="fusion_init=normal")) == (True, "normal", False)
+    assert chosen(config(config_overrides="init_scheme=normal")) == (True, "normal", False)
+    assert chosen(config(config_overrides="fusion_init=normal")) == (True, "normal", False)  # the earlier name
     assert chosen(config(config_overrides="vision_text_attention=false")) == (False, "pytorch", False)
     film = config(config_overrides="vision_film=true")
     assert film.vision_film and chosen(film) == (False, "pytorch", False)

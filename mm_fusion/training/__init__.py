@@ -13,6 +13,8 @@ from .arguments import (
     MMFusionArgumentParser,
     MMFusionTrainingArguments,
     ModelArguments,
+    parse_arguments,
+    settle_arguments,
 )
 from .callbacks import MMFusionMonitorCallback, add_monitor
 from .checkpoints import (
@@ -79,12 +81,14 @@ __all__ = [
     "load_training_data",
     "model_card_context",
     "model_class",
+    "parse_arguments",
     "parse_overrides",
     "plot_training_curves",
     "prepare_training_data",
     "resolve_resume_checkpoint",
     "retrieval_metrics",
     "save_run",
+    "settle_arguments",
     "setup_run",
     "split_off_eval",
     "train_and_save",

@@ -82,12 +82,11 @@ class ModelArguments:
     vision_tower: str = field(
         default="resnet",
         metadata={
-            "help": "The vision tower built from scratch: resnet or convnext (a backbone of --vision_widths stages, "
-            "its feature maps projected to tokens with positions: `vision_position_embedding` in "
-            "--config_overrides; with cross-attention fusion and task vqa / classify, its stages read the question: "
-            "vision_text_attention, fusion_init=pytorch, feature_map_bridge=false unless named there), or vit (a ViT "
-            "of --vision_layers layers, --patch_size patches; `--config_overrides vision_conv_stem=[32,64]` puts a "
-            "convolutional stem in place of its patchify)."
+            "help": (
+                "The vision tower built from scratch: resnet or convnext (a backbone of --vision_widths stages whose "
+                "feature maps become tokens; with cross-attention fusion and vqa / classify, its stages read the "
+                "question), or vit (--vision_layers layers of --patch_size patches)."
+            ),
         },
     )
     vision_widths: str = field(
@@ -194,11 +193,11 @@ class DataArguments:
     streaming: bool = field(
         default=False,
         metadata={
-            "help": "Stream --dataset instead of preprocessing it into the Arrow cache: webdataset .tar shards "
-            "(paths, globs, shard-{000..099}.tar), .jsonl files (images relative to --data_root, default each file's "
-            "folder) or a `load_dataset` name / folder read with streaming=True. Each shard is validated as it is "
-            "read (bad rows reported in output_dir/quarantine/<shard>.rank<r>.jsonl), ranks read their own shards, "
-            "and --max_steps sets the length of the run. --eval_dataset is validated once and held in memory."
+            "help": (
+                "Stream --dataset (webdataset .tar shards, .jsonl files or a load_dataset source) instead of caching "
+                "it: each shard is validated as it is read (report in output_dir/quarantine/), each rank reads its "
+                "own shards, and --max_steps sets the run's length."
+            ),
         },
     )
     shuffle_buffer_size: int = field(
@@ -317,11 +316,10 @@ class MMFusionTrainingArguments(TrainingArguments):
     batch_size_ramp_max: int | None = field(
         default=None,
         metadata={
-            "help": "Grow the per-device batch from per_device_train_batch_size by that much per epoch (or per "
-            "--batch_size_ramp_steps optimizer steps) up to this, as min(batch * (epoch + 1), max); --learning_rate "
-            "is the rate of the largest batch, scaled by --batch_size_ramp_lr. Needs gradient_accumulation_steps 1 "
-            "and random batches. The contrastive (ITC) loss contrasts each step's whole batch x processes, so its "
-            "number of negatives grows with the batch."
+            "help": (
+                "Grow the per-device batch by per_device_train_batch_size every epoch (or --batch_size_ramp_steps "
+                "steps) up to this; --learning_rate is the largest batch's, scaled by --batch_size_ramp_lr."
+            ),
         },
     )
     batch_size_ramp_steps: int = field(
@@ -435,6 +433,46 @@ def check_streaming(model_args, data_args, training_args) -> None:
         )
 
 
+def settle_arguments(
+    model_args: ModelArguments, data_args: DataArguments, training_args: MMFusionTrainingArguments
+) -> tuple[ModelArguments, DataArguments, MMFusionTrainingArguments]:
+    """
+    The rules across the three groups of arguments, in one place, applied after parsing (each dataclass checks its
+    own fields in `__post_init__`): the launch checked against this machine; the defaults that follow from the task and
+    the data path (`group_by_image`, the retrieval labels of pretraining, the metric early stopping watches); what a
+    streaming run needs; and the checkpoint to resume from, found and checked (`last`: the newest complete one).
+    Changes the arguments in place and returns them.
+    """
+    check_launch(training_args)
+    task = model_args.task
+    if training_args.group_by_image is None and (data_args.streaming or training_args.batch_size_ramp_max):
+        training_args.group_by_image = False
+    if training_args.group_by_image is None:
+        # Batches of one image's questions encode it once; for pretraining they would be each other's negatives.
+        random_order = training_args.train_sampling_strategy == "random"
+        training_args.group_by_image = task != "pretrain" and random_order
+    if task == "pretrain":
+        training_args.label_names = ["image_rows"]  # the labels of retrieval evaluation: each pair's image
+    if training_args.early_stopping_patience is not None and training_args.metric_for_best_model_is_default:
+        # "Best" is the task's metric (TrainingArguments alone would pick the evaluation loss).
+        training_args.metric_for_best_model = MAIN_METRICS[task]
+        training_args.greater_is_better = True
+    if data_args.streaming:
+        check_streaming(model_args, data_args, training_args)
+    training_args.resume_from_checkpoint = resolve_resume_checkpoint(
+        training_args.resume_from_checkpoint, training_args.output_dir
+    )
+    return model_args, data_args, training_args
+
+
+def parse_arguments(
+    args: list[str] | None = None,
+) -> tuple[ModelArguments, DataArguments, MMFusionTrainingArguments]:
+    """`scripts/train.py`'s step 1: its arguments parsed ([`MMFusionArgumentParser`]) and settled
+    ([`settle_arguments`])."""
+    return settle_arguments(*MMFusionArgumentParser().parse_args_and_config(args))
+
+
 class MMFusionArgumentParser(ScriptArgumentParser):
     """
     `HfArgumentParser` over [`ModelArguments`], [`DataArguments`] and [`MMFusionTrainingArguments`] that also reads a
@@ -466,34 +504,13 @@ class MMFusionArgumentParser(ScriptArgumentParser):
     ) -> tuple[ModelArguments, DataArguments, MMFusionTrainingArguments]:
         """
         Flags, or a YAML / JSON file as the first argument with flags after it overriding its values (`args`: the
-        command line without the program, `sys.argv[1:]` by default). Then what depends on several dataclasses is
-        settled: the defaults that follow from the task, and the checkpoint to resume from, found and checked; and
-        the launch is checked against this machine.
+        command line without the program, `sys.argv[1:]` by default), parsed into the three dataclasses. Only parsed:
+        [`settle_arguments`] then applies the rules across them ([`parse_arguments`] does both).
         """
         argv = list(sys.argv[1:] if args is None else args)
         if argv and argv[0].endswith((".yaml", ".yml", ".json")):
             argv = self._config_flags(Path(argv.pop(0))) + argv
-        model_args, data_args, training_args = self.parse_args_into_dataclasses(args=argv)
-        check_launch(training_args)
-        task = model_args.task
-        if training_args.group_by_image is None and (data_args.streaming or training_args.batch_size_ramp_max):
-            training_args.group_by_image = False
-        if training_args.group_by_image is None:
-            # Batches of one image's questions encode it once; for pretraining they would be each other's negatives.
-            random_order = training_args.train_sampling_strategy == "random"
-            training_args.group_by_image = task != "pretrain" and random_order
-        if task == "pretrain":
-            training_args.label_names = ["image_rows"]  # the labels of retrieval evaluation: each pair's image
-        if training_args.early_stopping_patience is not None and training_args.metric_for_best_model_is_default:
-            # "Best" is the task's metric (TrainingArguments alone would pick the evaluation loss).
-            training_args.metric_for_best_model = MAIN_METRICS[task]
-            training_args.greater_is_better = True
-        if data_args.streaming:
-            check_streaming(model_args, data_args, training_args)
-        training_args.resume_from_checkpoint = resolve_resume_checkpoint(
-            training_args.resume_from_checkpoint, training_args.output_dir
-        )
-        return model_args, data_args, training_args
+        return self.parse_args_into_dataclasses(args=argv)
 
     def _config_flags(self, path: Path) -> list[str]:
         """The options of a config file as flags; an unknown key is an error that suggests the closest option."""

@@ -169,7 +169,7 @@ def build_config(
 # PyTorch draws them, and the tower's tokens enter the fusion without a second Linear: without all three the
 # cross-attention fusion learns which shapes and how many, but not where an object named by its colour is
 # (Sort-of-CLEVR, scripts/research/results/sort_of_clevr_ladder.md, points 46-49); easy-VQA loses nothing.
-CONV_FUSION_DEFAULTS = {"vision_text_attention": True, "fusion_init": "pytorch", "feature_map_bridge": False}
+CONV_FUSION_DEFAULTS = {"vision_text_attention": True, "init_scheme": "pytorch", "feature_map_bridge": False}
 
 
 def conv_fusion_defaults(model_args: ModelArguments, overrides: dict) -> dict:
@@ -188,6 +188,8 @@ def conv_fusion_defaults(model_args: ModelArguments, overrides: dict) -> dict:
     defaults = dict(CONV_FUSION_DEFAULTS)
     if overrides.get("vision_film"):
         del defaults["vision_text_attention"]
+    if {"fusion_init", "vision_film_init"} & overrides.keys():  # the settings init_scheme replaced name it too
+        del defaults["init_scheme"]
     return defaults
 
 

@@ -9,7 +9,7 @@ import logging
 import torch
 from transformers import EarlyStoppingCallback
 
-from .arguments import MAIN_METRICS, DataArguments, MMFusionArgumentParser, MMFusionTrainingArguments, ModelArguments
+from .arguments import MAIN_METRICS, DataArguments, MMFusionTrainingArguments, ModelArguments, parse_arguments
 from .callbacks import add_monitor
 from .data import TrainingData
 from .data_path import load_training_data
@@ -122,7 +122,7 @@ def save_run(trainer: MMFusionTrainer, metrics: dict) -> None:
 def setup_run(args: list[str] | None = None) -> MMFusionTrainer:
     """Steps 1 to 4 of `scripts/train.py` for its arguments (flags and / or a config file; default `sys.argv[1:]`):
     the trainer, ready to train (from `args.resume_from_checkpoint` when resuming)."""
-    model_args, data_args, training_args = MMFusionArgumentParser().parse_args_and_config(args)
+    model_args, data_args, training_args = parse_arguments(args)
     data = load_training_data(model_args, data_args, training_args)
     model, processor = build_model_and_processor(model_args, data_args, training_args, data)
     return build_trainer(model, processor, data, model_args, data_args, training_args, command=args)

@@ -35,7 +35,7 @@ PRETRAIN = "scripts/configs/sort_of_clevr_pretrain.yaml"
 HIERARCHICAL = "scripts/configs/sort_of_clevr_hierarchical.yaml"
 # The main recipe's `config_overrides` without FiLM: the same tower, flattened image and head, the question only in
 # the head (the Relation Network paper's CNN+MLP baseline).
-LATE_OVERRIDES = "image_pooling=flatten,vision_position_embedding=none,fusion_init=pytorch"
+LATE_OVERRIDES = "image_pooling=flatten,vision_position_embedding=none,init_scheme=pytorch"
 HALF = ["--num_train_epochs", "6"]
 RUNS = {
     "film": ([MAIN], "the main recipe: the ResNet tower conditioned on the question by FiLM, late head"),
