@@ -20,13 +20,7 @@ from .configuration_mm_fusion import WORDS, MMFusionConfig
 from .distributed import all_gather_with_grad, broadcast_seed, gather_sizes, world
 from .image_maps import ImageMaps
 from .image_maps import image_maps as _image_maps
-from .vision_encoder import (  # noqa: F401  (normalize_uint8_pixels: importable from here too)
-    MMFusionVisionEncoder,
-    bridge_features,
-    normalize_uint8_pixels,
-    pool,
-    sequence,
-)
+from .vision_encoder import MMFusionVisionEncoder, bridge_features, pool, sequence
 from .vision_towers import (
     MMFusionFiLMLinear,
     build_tower_model,

@@ -225,7 +225,7 @@ class GradCacheMixin(PretrainingLossMixin):
         use_cache = self.uses_grad_cache(model)
         index = next((i for i, batch in enumerate(self._window or ()) if batch is inputs), None)
         if not use_cache or index is None:
-            if use_cache and not self._grad_cache_warned:  # Trainer no longer hands over the batches it fetched
+            if use_cache and not self._grad_cache_warned:  # a Trainer that does not hand over the batches it fetched
                 logger.warning("itc_grad_cache: a micro-batch not among those Trainer fetched; trained without it.")
                 self._grad_cache_warned = True
             return super().training_step(model, inputs, num_items_in_batch)

@@ -167,8 +167,8 @@ def build_config(
 
 # A convolutional tower's stages read the question by cross-attention, the layers outside the towers are drawn as
 # PyTorch draws them, and the tower's tokens enter the fusion without a second Linear: without all three the
-# cross-attention fusion learns which shapes and how many, but not where an object named by its colour is
-# (Sort-of-CLEVR, scripts/research/results/sort_of_clevr_ladder.md, points 46-49); easy-VQA loses nothing.
+# cross-attention fusion learns which shapes and how many, but not where an object named by its colour is (results:
+# scripts/research/results/sort_of_clevr_ladder.md).
 CONV_FUSION_DEFAULTS = {"vision_text_attention": True, "init_scheme": "pytorch", "feature_map_bridge": False}
 
 

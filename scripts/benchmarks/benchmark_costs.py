@@ -29,9 +29,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import benchmark_training_step  # the recipe, the default model's config, the seed-style fusion layer
 import torch
-from benchmark_training_step import build_fusion_config, recipe
+from baselines import SeedFusionLayer, build_fusion_config, recipe, tower_shapes
 from benchmarking import (
     RESULTS,
     PeakMemory,
@@ -52,15 +51,11 @@ IMAGES_PER_STEP = 7  # easy-VQA batches of 64 questions grouped by image carry ~
 STEP_PARTS = ("forward", "backward", "optimizer")
 PREPROCESSING_IMAGE_SIZE = 64
 ATTENTION_IMAGE_SIZE = 64  # the default image: 64 patches + class token
-# Seconds measured on the 2-core development machine with 1 torch thread while it was busy with other work: for the
-# duration estimate (an upper bound there) and for the default numbers of timed steps / iterations.
-STARTUP_S = {"training": 1.5, "preprocessing": 9.0, "attention": 1.0}  # a trial's start (preprocessing: with imports)
-IMPORT_S = 7.5  # the imports of a new interpreter: once for the fork server, or per trial with --fresh_interpreter
-TRAIN_STEP_S = {(64, 16): 0.24, (128, 16): 0.32, (224, 16): 1.0, (64, 64): 0.51, (64, 256): 2.3}
-TRAIN_STEP_FIT = (0.15, 1.3e-4, 1.7e-4)  # other settings: a + b * text tokens + c * image tokens per step
-PREPROCESS_S = {1: 5.5, 2: 4.5}  # load_easy_vqa + prepare_dataset on all of easy-VQA at 64 px, by num_proc
-ATTENTION_ITERATION_S = 7.0e-8  # one forward + backward ~ this * texts * T * (T + 65 + 4 * 128)
-STEP_BUDGET_S, ITERATION_BUDGET_S = 6.0, 4.0  # default timed steps / iterations: about this long, 5 to 10
+# The default numbers of timed repeats: 10, fewer for the settings whose steps / iterations are slowest; --steps and
+# --iterations set them for every setting.
+DEFAULT_STEPS = {(64, 16): 10, (128, 16): 10, (224, 16): 6, (64, 64): 10, (64, 256): 5}  # (image px, text tokens)
+DEFAULT_ITERATIONS = {64: 10, 128: 10, 512: 5}  # by text length, the same for every block
+DEFAULT_REPEATS = 10  # for a setting not listed above
 
 
 @dataclass
@@ -85,8 +80,8 @@ class BenchmarkArguments:
     steps: int | None = field(
         default=None,
         metadata={
-            "help": "Training: timed optimizer steps per trial (default: 10, fewer where a step is slow: as many as "
-            f"take ~{STEP_BUDGET_S:g} s by the built-in estimate, at least 5)."
+            "help": "Training: timed optimizer steps per trial (default: 10; 6 at 224 px and 16 tokens, 5 at 64 px "
+            "and 256 tokens)."
         },
     )
     # Table 2.
@@ -104,8 +99,8 @@ class BenchmarkArguments:
     iterations: int | None = field(
         default=None,
         metadata={
-            "help": "Attention: timed forward + backward iterations per trial (default: 10, fewer at long texts: as "
-            f"many as take ~{ITERATION_BUDGET_S:g} s by the built-in estimate, at least 5; the same for every block)."
+            "help": "Attention: timed forward + backward iterations per trial, the same for every block (default: 10; "
+            "5 at 512 tokens)."
         },
     )
     seed: int = field(default=0, metadata={"help": "Seed of the synthetic inputs and of the models' weights."})
@@ -209,7 +204,7 @@ def run_training_trial(payload: dict) -> dict:
         "model": {
             "fusion_type": config.fusion_type,
             "fusion_direction": config.fusion_direction,
-            **benchmark_training_step._towers(config),
+            **tower_shapes(config),
         },
         "torch_threads": torch.get_num_threads(),
         "step_s": [sum(s.values()) for s in steps],
@@ -276,7 +271,7 @@ def attention_block(contender: str, config) -> torch.nn.Module:
     from mm_fusion import MMFusionForImageTextClassification
 
     if contender == "multihead_attention":
-        return benchmark_training_step.SeedFusionLayer(
+        return SeedFusionLayer(
             config.fusion_hidden_size,
             config.fusion_num_attention_heads,
             config.fusion_intermediate_size,
@@ -378,58 +373,15 @@ def run_trial(runner: TrialRunner, payload: dict, work: str) -> dict:
         shutil.rmtree(cache, ignore_errors=True)
 
 
-def expected_step_s(size: int, length: int, texts: int, images: int, patch_size: int) -> float:
-    """Rough seconds per training step (1 torch thread, busy 2-core machine): measured, or the linear fit."""
-    if (size, length) in TRAIN_STEP_S and (texts, images) == (64, IMAGES_PER_STEP):
-        return TRAIN_STEP_S[(size, length)]
-    a, b, c = TRAIN_STEP_FIT
-    return a + b * texts * length + c * images * ((size // patch_size) ** 2 + 1)
-
-
-def expected_iteration_s(length: int, texts: int) -> float:
-    """Rough seconds per forward + backward of one fusion block (1 torch thread, busy 2-core machine)."""
-    return ATTENTION_ITERATION_S * texts * length * (length + 65 + 4 * 128)
-
-
-def _count(given: int | None, budget: float, each: float, low: int) -> int:
-    """The number of timed repeats: as given, or 10 but no more than fit in `budget` seconds, at least `low`."""
-    return given if given is not None else max(low, min(10, round(budget / each)))
-
-
-def expected_s(payload: dict, fresh_interpreter: bool = False) -> float:
-    """Rough duration of one trial from `STARTUP_S` and the per-step, per-iteration and preprocessing times."""
-    table = payload["table"]
-    if fresh_interpreter and table != "preprocessing":
-        return IMPORT_S + expected_s(payload)
-    if table == "training":
-        step = expected_step_s(
-            payload["image_size"], payload["text_length"], payload["texts"], payload["images"], payload["patch_size"]
-        )
-        return STARTUP_S[table] + (payload["warmup"] + payload["steps"]) * step
-    if table == "preprocessing":
-        work = PREPROCESS_S.get(payload["num_proc"], PREPROCESS_S[2]) * (payload["image_size"] / 64) ** 2
-        return STARTUP_S[table] + work
-    iteration = expected_iteration_s(payload["text_length"], payload["texts"])
-    return STARTUP_S[table] + (payload["warmup"] + 0.5 + payload["iterations"]) * iteration  # + a slow first one
-
-
 def plan_trials(args: BenchmarkArguments, rec: dict, vocab_size: int, labels: list[str], tokenizer_dir: str):
     """Round by round, every table and setting, the order of each table's settings rotating from round to round."""
-    from mm_fusion.training import ModelArguments
-
     common = {"vocab_size": vocab_size, "labels": labels, "seed": args.seed}
-    patch_size = ModelArguments(vision_tower="vit").patch_size
     steps = {
-        (size, length): _count(
-            args.steps,
-            STEP_BUDGET_S,
-            expected_step_s(size, length, args.texts_per_step, args.images_per_step, patch_size),
-            5,
-        )
-        for size, length in training_settings(args)
+        setting: args.steps if args.steps is not None else DEFAULT_STEPS.get(setting, DEFAULT_REPEATS)
+        for setting in training_settings(args)
     }
     iterations = {
-        length: _count(args.iterations, ITERATION_BUDGET_S, expected_iteration_s(length, args.attention_texts), 5)
+        length: args.iterations if args.iterations is not None else DEFAULT_ITERATIONS.get(length, DEFAULT_REPEATS)
         for length in args.attention_lengths
     }
     plan = []
@@ -447,7 +399,6 @@ def plan_trials(args: BenchmarkArguments, rec: dict, vocab_size: int, labels: li
                         "warmup": args.warmup,
                         "steps": steps[(size, length)],
                         "recipe": rec,
-                        "patch_size": patch_size,
                         **common,
                     }
                 )
@@ -708,29 +659,19 @@ def main(argv: list[str] | None = None) -> dict:
         raise ValueError(f"The two fusion blocks differ in size by more than 1%: {blocks}.")
 
     plan = plan_trials(args, rec, vocab_size, labels, tokenizer_dir)
-    expected = [expected_s(p, args.fresh_interpreter) for p in plan]
-    forked = [i for i, p in enumerate(plan) if p["table"] != "preprocessing"]
-    if forked and not args.fresh_interpreter:
-        expected[forked[0]] += IMPORT_S  # the fork server's start, before its first trial
-    print(
-        f"{len(plan)} trials; estimated {sum(expected) / 60:.1f} min on a 2-core machine like the development one "
-        "(calibrated there with 1 torch thread while it was busy, so an upper bound there)",
-        flush=True,
-    )
-    trials, start, expected_done = [], time.perf_counter(), 0.0
+    print(f"{len(plan)} trials", flush=True)
+    trials, start = [], time.perf_counter()
     # The fork server does the imports of a new interpreter once (~6-8 s each on a busy 2-core machine).
     preload = ["transformers", "mm_fusion", "mm_fusion.training", "benchmark_costs"]
     runner = TrialRunner(work, shared_cache, preload, args.fresh_interpreter)
     try:
-        for i, payload in enumerate(plan):
+        for payload in plan:
             table = payload["table"]
             begun = time.perf_counter()
             t = {"table": table, **run_trial(runner, payload, work)}
             t["trial_wall_s"] = time.perf_counter() - begun
             trials.append(t)
-            expected_done += expected[i]
             elapsed = time.perf_counter() - start
-            left = sum(expected[i + 1 :]) * elapsed / expected_done
             if table == "training":
                 what = (
                     f"training {t['image_size']:>3} px {t['text_length']:>3} tokens: {t['samples_per_s']:7.1f} "
@@ -747,7 +688,7 @@ def main(argv: list[str] | None = None) -> dict:
                     f"forward + backward, memory +{t['memory_growth_mib']:.0f} MiB"
                 )
             print(
-                f"round {payload['round'] + 1} {what}; {elapsed / 60:.1f} min so far, about {left / 60:.1f} min left",
+                f"round {payload['round'] + 1} {what}; {elapsed / 60:.1f} min so far",
                 flush=True,
             )
     finally:
@@ -760,7 +701,7 @@ def main(argv: list[str] | None = None) -> dict:
     print("\n" + text)
     report = {"arguments": asdict(args), "recipe": rec, "machine": info, "vocab_size": vocab_size}
     report |= {"block_parameters": blocks, "tables": tables, "trials": trials}
-    report |= {"estimated_s": sum(expected), "wall_s": time.perf_counter() - start}
+    report["wall_s"] = time.perf_counter() - start
     write_report(args.output, report, text)
     return report
 

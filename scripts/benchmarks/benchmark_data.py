@@ -21,12 +21,12 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 import psutil
+from baselines import IMAGENET_MEAN, IMAGENET_STD, run_clip_loader, seed_loader
 from benchmarking import RESULTS, machine, markdown_table, median_range, run_in_new_interpreter, spread, write_report
 from transformers import HfArgumentParser
 
 
 PIPELINES = ("seed", "run_clip", "mm_fusion", "mm_fusion_grouped", "mm_fusion_no_workers")
-IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
 
 @dataclass
@@ -89,108 +89,8 @@ class PeakRSS:
 
 
 # --------------------------------------------------------------------------------------------------------------------
-# The contenders. Each returns a DataLoader, and for uint8 batches the normalisation the model applies on its device.
-
-
-def seed_loader(rows, tokenizer, size, args):
-    """The source articles' pipeline (the `seed` baseline of scripts/benchmarks/README.md)."""
-    import torch
-    from PIL import Image
-    from torchvision import transforms
-
-    class SeedStyleDataset(torch.utils.data.Dataset):
-        def __init__(self, paths, questions, answers):
-            self.paths, self.questions, self.answers = paths, questions, answers
-            self.transform = transforms.Compose(
-                [
-                    transforms.Resize((size, size)),
-                    transforms.ToTensor(),
-                    transforms.Normalize(IMAGENET_MEAN, IMAGENET_STD),
-                ]
-            )
-
-        def __len__(self):
-            return len(self.paths)
-
-        def __getitem__(self, i):
-            image = Image.open(self.paths[i]).convert("RGB")
-            text = tokenizer(
-                self.questions[i], padding="max_length", truncation=True, max_length=512, return_tensors="pt"
-            )
-            return {
-                "pixel_values": self.transform(image),
-                "input_ids": text["input_ids"].squeeze(0),
-                "attention_mask": text["attention_mask"].squeeze(0),
-                "labels": torch.tensor(self.answers[i]),
-            }
-
-    dataset = SeedStyleDataset(rows["image"], rows["question"], rows["answer"])
-    loader = torch.utils.data.DataLoader(
-        dataset, batch_size=args.batch_size, shuffle=True, num_workers=args.num_workers, pin_memory=True
-    )
-    return loader, None
-
-
-def run_clip_loader(dataset, tokenizer, size, args):
-    """transformers' examples/pytorch/contrastive-image-text/run_clip.py data path, on the same rows."""
-    import torch
-    from PIL import Image
-    from torchvision.io import ImageReadMode, read_image
-    from torchvision.transforms import CenterCrop, ConvertImageDtype, InterpolationMode, Normalize, Resize
-
-    class Transform(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.transforms = torch.nn.Sequential(
-                Resize([size], interpolation=InterpolationMode.BICUBIC),
-                CenterCrop(size),
-                ConvertImageDtype(torch.float),
-                Normalize(IMAGENET_MEAN, IMAGENET_STD),
-            )
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            with torch.no_grad():
-                return self.transforms(x)
-
-    transform = torch.jit.script(Transform())
-
-    def readable(batch):
-        keep = []
-        for path in batch["image"]:
-            try:
-                Image.open(path)
-                keep.append(True)
-            except Exception:
-                keep.append(False)
-        return keep
-
-    def tokenize(batch):
-        text = tokenizer(batch["question"], max_length=128, padding="max_length", truncation=True)
-        return {"input_ids": text["input_ids"], "attention_mask": text["attention_mask"]}
-
-    def transform_images(batch):
-        batch["pixel_values"] = [transform(read_image(p, mode=ImageReadMode.RGB)) for p in batch["image"]]
-        return batch
-
-    def collate(examples):
-        return {
-            "pixel_values": torch.stack([e["pixel_values"] for e in examples]),
-            "input_ids": torch.tensor([e["input_ids"] for e in examples], dtype=torch.long),
-            "attention_mask": torch.tensor([e["attention_mask"] for e in examples], dtype=torch.long),
-        }
-
-    dataset = dataset.filter(readable, batched=True)
-    dataset = dataset.map(tokenize, batched=True, remove_columns=[c for c in dataset.column_names if c != "image"])
-    dataset.set_transform(transform_images)
-    loader = torch.utils.data.DataLoader(
-        dataset,
-        batch_size=args.batch_size,
-        shuffle=True,
-        num_workers=args.num_workers,
-        pin_memory=True,
-        collate_fn=collate,
-    )
-    return loader, None
+# The contenders. Each returns a DataLoader, and for uint8 batches the normalisation the model applies on its device:
+# the baselines' `seed_loader` and `run_clip_loader` (baselines.py), and mm_fusion's.
 
 
 def prepare_easy_vqa(data, tokenizer, size: int, **options):
@@ -207,7 +107,7 @@ def mm_fusion_loader(dataset, tokenizer, size, args, grouped=False, num_workers=
     from transformers.trainer_pt_utils import LengthGroupedSampler
 
     from mm_fusion.data import ImageTextCollator
-    from mm_fusion.modeling_mm_fusion import normalize_uint8_pixels
+    from mm_fusion.vision_encoder import normalize_uint8_pixels
 
     prepared = prepare_easy_vqa(dataset, tokenizer, size, num_proc=args.num_workers)
     generator = torch.Generator().manual_seed(args.seed)

@@ -23,21 +23,20 @@ import shutil
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
-from types import SimpleNamespace
 
-import benchmark_data
 import numpy as np
 import torch
-from benchmark_training_step import (
+from baselines import (
     CONTENDERS,
     SEED_MAX_LENGTH,
     SEED_MICRO_BATCH,
-    _easy_vqa,
     build_fusion_config,
+    easy_vqa_splits,
     recipe,
     run_clip_arguments,
     run_clip_dataset,
     seed_model,
+    seed_split_loader,
 )
 from benchmarking import RESULTS, machine, markdown_table, run_in_new_interpreter, write_report
 from transformers import HfArgumentParser, TrainerCallback
@@ -124,18 +123,13 @@ def train_seed(payload, rec, tokenizer, clock: TrainingClock) -> dict:
     size, labels = payload["image_size"], payload["labels"]
     config = build_fusion_config(size, len(tokenizer), SEED_MAX_LENGTH, labels, None, default_tower(), SAME_MODEL)
     model = seed_model(config)
-    train, test = _easy_vqa(payload["eval_questions"])
-    loader_args = SimpleNamespace(batch_size=SEED_MICRO_BATCH, num_workers=os.cpu_count() or 1)
-
-    def loader(split):
-        rows = {"image": split["image"], "question": split["question"], "answer": split["answer"]}
-        return benchmark_data.seed_loader(rows, tokenizer, size, loader_args)[0]
+    train, test = easy_vqa_splits(payload["eval_questions"])
 
     def evaluate() -> float:
         model.eval()
         correct = count = 0
         with torch.no_grad():
-            for batch in loader(test):
+            for batch in seed_split_loader(test, tokenizer, size):
                 logits = model(batch["pixel_values"], batch["input_ids"], batch["attention_mask"])[1]
                 correct += int((logits.argmax(-1) == batch["labels"]).sum())
                 count += batch["labels"].shape[0]
@@ -151,7 +145,7 @@ def train_seed(payload, rec, tokenizer, clock: TrainingClock) -> dict:
         for _ in range(accumulation):
             batch = next(batches, None)
             if batch is None:  # a new epoch
-                batches = iter(loader(train))
+                batches = iter(seed_split_loader(train, tokenizer, size))
                 batch = next(batches)
             loss = model(**batch)[0] / accumulation
             loss.backward()
@@ -171,7 +165,7 @@ def train_run_clip(payload, rec, tokenizer, clock: TrainingClock) -> dict:
     from mm_fusion import MMFusionForImageTextClassification
 
     size, labels = payload["image_size"], payload["labels"]
-    train, test = _easy_vqa(payload["eval_questions"])
+    train, test = easy_vqa_splits(payload["eval_questions"])
     (train_dataset, collate), (test_dataset, _) = (run_clip_dataset(s, tokenizer, size, rec) for s in (train, test))
 
     def accuracy(prediction) -> dict:

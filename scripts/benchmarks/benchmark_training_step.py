@@ -1,6 +1,7 @@
 """
-Benchmark one training step of mm_fusion against the two baselines (scripts/benchmarks/README.md, "The baselines") on
-easy-VQA (VQA as classification over its 13 answers), at 64 px and upsampled to 224 px, in one run on one machine.
+Benchmark one training step of mm_fusion against the two baselines (`baselines.py`; scripts/benchmarks/README.md,
+"The baselines") on easy-VQA (VQA as classification over its 13 answers), at 64 px and upsampled to 224 px, in one
+run on one machine.
 
 All three contenders train the same towers (the recipe's ViT and BERT, 2 fusion layers), with the same tokenizer,
 seed, optimizer settings (read from `mm_fusion.training`'s argument defaults) and 64 samples per optimizer step:
@@ -23,31 +24,36 @@ import shutil
 import statistics
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field, fields
-from types import SimpleNamespace
+from dataclasses import asdict, dataclass, field
 
-import benchmark_data  # the baselines' data loaders
 import numpy as np
 import torch
 import torch.nn.functional as F
+from baselines import (
+    CONTENDERS,
+    SEED_MAX_LENGTH,
+    SEED_MICRO_BATCH,
+    build_fusion_config,
+    easy_vqa_splits,
+    recipe,
+    run_clip_arguments,
+    run_clip_dataset,
+    seed_model,
+    seed_split_loader,
+    tower_shapes,
+)
 from benchmarking import RESULTS, machine, median_range, peak_memory_mib, run_in_new_interpreter, spread, write_report
 from torch import nn
 from transformers import HfArgumentParser, TrainerCallback
 
 
-CONTENDERS = ("seed", "run_clip", "mm_fusion")
 PARTS = ("data_wait", "forward", "backward", "optimizer", "other")  # the split of a step's wall time
 TARGETS = {"seed": 2.0, "run_clip": 1.3}  # mm_fusion's throughput must be at least this many times theirs
 DATA_WAIT_TARGET = 0.05  # mm_fusion's data wait, as a fraction of step time
-SEED_MICRO_BATCH, SEED_MAX_LENGTH = 32, 512  # the seed baseline's
 # Per-size defaults of the step counts; other sizes take those of the nearest size listed.
 DEFAULT_WARMUP = {64: 3, 224: 2}
 DEFAULT_STEPS = {64: 15, 224: 5}
 DEFAULT_LOSS_SAMPLES = {64: 2048, 224: 512}
-# Seconds per optimizer step and per trial start-up (process, imports, data, model) measured on the 2-core development
-# machine with 1 torch thread while it was shared; only for the duration estimate, which they make an upper bound.
-STEP_S = {"seed": {64: 7.0, 224: 21.0}, "run_clip": {64: 0.9, 224: 8.1}, "mm_fusion": {64: 0.14, 224: 1.1}}
-STARTUP_S = {"seed": 12.0, "run_clip": 20.0, "mm_fusion": 8.0}
 
 
 @dataclass
@@ -89,129 +95,6 @@ def _per_size(values: list[int] | None, defaults: dict[int, int], sizes: list[in
     if len(values) != len(sizes):
         raise ValueError(f"--{name} takes one value or one per size ({len(sizes)}: {sizes}); got {values}.")
     return dict(zip(sizes, values))
-
-
-def recipe() -> dict:
-    """The training recipe, from the defaults of mm_fusion's argument dataclasses (whatever they are today)."""
-    from mm_fusion.training import DataArguments, MMFusionTrainingArguments, ModelArguments
-
-    training = {f.name: f.default for f in fields(MMFusionTrainingArguments)}
-    model, data = ModelArguments(), DataArguments()
-    return {
-        "learning_rate": training["learning_rate"],
-        "weight_decay": training["weight_decay"],
-        "warmup_steps": training["warmup_steps"],
-        "lr_scheduler_type": str(training["lr_scheduler_type"]),
-        "max_grad_norm": training["max_grad_norm"],
-        "batch_size": training["per_device_train_batch_size"],
-        "seed": training["seed"],
-        "dropout": model.dropout,
-        "patch_size": model.patch_size,
-        "vocab_size": model.vocab_size,
-        "max_length": data.max_length,
-    }
-
-
-def build_fusion_config(
-    size: int,
-    vocab_size: int,
-    max_length: int,
-    labels: list[str],
-    patch_size: int | None,
-    vision_tower: str = "vit",
-    config_overrides: str | None = None,
-):
-    """`MMFusionConfig` of the recipe's model (what `build_trainer` builds) at this size, BERT with `max_length`.
-    `vision_tower`: the ViT these equal-size step comparisons were built around, or `scripts/train.py`'s default;
-    `config_overrides` as `--config_overrides`."""
-    from mm_fusion.training import ModelArguments, build_config
-
-    sizes = {} if patch_size is None else {"patch_size": patch_size}
-    model_args = ModelArguments(vision_tower=vision_tower, config_overrides=config_overrides, **sizes)
-    return build_config(model_args, size, vocab_size, max_length, labels)
-
-
-# --------------------------------------------------------------------------------------------------------------------
-# The seed-style model: the same towers, fusion by nn.MultiheadAttention as the source articles write it.
-
-
-class SeedFusionLayer(nn.Module):
-    """Text self-attention, text-to-image cross-attention and an FFN, each with a residual and a LayerNorm after."""
-
-    def __init__(self, hidden_size: int, num_heads: int, intermediate_size: int, dropout: float):
-        super().__init__()
-        self.self_attn = nn.MultiheadAttention(hidden_size, num_heads, batch_first=True)
-        self.cross_attn = nn.MultiheadAttention(hidden_size, num_heads, batch_first=True)
-        self.ffn = nn.Sequential(
-            nn.Linear(hidden_size, intermediate_size), nn.GELU(), nn.Linear(intermediate_size, hidden_size)
-        )
-        self.norm1, self.norm2, self.norm3 = (nn.LayerNorm(hidden_size) for _ in range(3))
-        self.dropout = nn.Dropout(dropout)
-
-    def forward(self, text: torch.Tensor, image: torch.Tensor, text_padding: torch.Tensor) -> torch.Tensor:
-        attended, _ = self.self_attn(text, text, text, key_padding_mask=text_padding)
-        text = self.norm1(text + self.dropout(attended))
-        attended, _ = self.cross_attn(text, image, image)
-        text = self.norm2(text + self.dropout(attended))
-        return self.norm3(text + self.dropout(self.ffn(text)))
-
-
-class SeedStyleModel(nn.Module):
-    """
-    The given towers (a ViT or a convolutional tower, and BERT), seed-style fusion layers, [CLS] pooling and the
-    recipe's head. A convolutional tower's last feature map gives the image tokens (one per cell) and their mean the
-    pooled image.
-    """
-
-    def __init__(self, vision_config, text_config, num_labels: int, num_fusion_layers: int, dropout: float):
-        super().__init__()
-        from transformers import AutoModel
-
-        convolutional = hasattr(vision_config, "hidden_sizes")
-        width = vision_config.hidden_sizes[-1] if convolutional else vision_config.hidden_size
-        if width != text_config.hidden_size:
-            raise ValueError("The seed-style fusion needs towers of one width.")
-        pooling = {} if convolutional else {"add_pooling_layer": False}
-        self.vision_model = AutoModel.from_config(vision_config, **pooling)
-        self.text_model = AutoModel.from_config(text_config, add_pooling_layer=False)
-        h = text_config.hidden_size
-        self.fusion = nn.ModuleList(
-            SeedFusionLayer(h, text_config.num_attention_heads, text_config.intermediate_size, dropout)
-            for _ in range(num_fusion_layers)
-        )
-        # The head of the recipe's model on the same joint vector (text [CLS], image [CLS], their product), so that
-        # only the fusion layers and the loop differ from the other contenders.
-        hidden = 2 * 3 * h
-        self.classifier = nn.Sequential(
-            nn.Linear(3 * h, hidden),
-            nn.GELU(),
-            nn.LayerNorm(hidden),
-            nn.Dropout(dropout),
-            nn.Linear(hidden, num_labels),
-        )
-
-    def forward(
-        self, pixel_values, input_ids, attention_mask, labels=None
-    ) -> tuple[torch.Tensor | None, torch.Tensor]:
-        image = self.vision_model(pixel_values=pixel_values).last_hidden_state  # (B, 1 + patches, D) or (B, D, H, W)
-        if image.dim() == 4:
-            image = image.flatten(2).transpose(1, 2)  # (B, H * W, D): a token per cell
-            pooled_image = image.mean(1)
-        else:
-            pooled_image = image[:, 0]  # [CLS]
-        text = self.text_model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state  # (B, 512, D)
-        for layer in self.fusion:
-            text = layer(text, image, attention_mask == 0)
-        text, image = text[:, 0], pooled_image
-        logits = self.classifier(torch.cat([text, image, text * image], dim=-1))
-        return (F.cross_entropy(logits, labels) if labels is not None else None), logits
-
-
-def seed_model(config) -> SeedStyleModel:
-    """The seed-style model with the towers of an `MMFusionConfig` (its text config with 512 positions)."""
-    return SeedStyleModel(
-        config.vision_config, config.text_config, config.num_labels, config.num_fusion_layers, config.fusion_dropout
-    )
 
 
 def parameter_counts(size: int, vocab_size: int, labels: list[str], rec: dict, patch_size: int | None) -> dict:
@@ -324,23 +207,11 @@ class StepTimerCallback(TrainerCallback):
 # The contenders, each in its own process: train `total_steps` optimizer steps, then evaluate if asked.
 
 
-def _easy_vqa(eval_questions: int):
-    from mm_fusion.data import load_easy_vqa
-
-    data = load_easy_vqa(["train", "test"])
-    return data["train"], data["test"].select(range(eval_questions))
-
-
 def train_seed(size, rec, tokenizer, labels, total_steps, timer, evaluate, eval_questions, patch_size) -> dict:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     config = build_fusion_config(size, len(tokenizer), SEED_MAX_LENGTH, labels, patch_size)
     model = seed_model(config).to(device)
-    train, test = _easy_vqa(eval_questions)
-    loader_args = SimpleNamespace(batch_size=SEED_MICRO_BATCH, num_workers=os.cpu_count() or 1)
-
-    def loader(split):
-        rows = {"image": split["image"], "question": split["question"], "answer": split["answer"]}
-        return benchmark_data.seed_loader(rows, tokenizer, size, loader_args)[0]
+    train, test = easy_vqa_splits(eval_questions)
 
     def forever(batches):
         while True:
@@ -348,7 +219,7 @@ def train_seed(size, rec, tokenizer, labels, total_steps, timer, evaluate, eval_
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=rec["learning_rate"], weight_decay=rec["weight_decay"])
     accumulation = rec["batch_size"] // SEED_MICRO_BATCH
-    batches = forever(loader(train))
+    batches = forever(seed_split_loader(train, tokenizer, size))
     model.train()
     timer.start()
     for _ in range(total_steps):
@@ -366,12 +237,12 @@ def train_seed(size, rec, tokenizer, labels, total_steps, timer, evaluate, eval_
         optimizer.zero_grad(set_to_none=True)
         timer.mark("optimizer")
         timer.end_step()
-    result = {"parameters": sum(p.numel() for p in model.parameters()), "towers": _towers(config)}
+    result = {"parameters": sum(p.numel() for p in model.parameters()), "towers": tower_shapes(config)}
     if evaluate:
         model.eval()
         loss_sum, correct, count = 0.0, 0, 0
         with torch.no_grad():
-            for batch in loader(test):
+            for batch in seed_split_loader(test, tokenizer, size):
                 batch = {k: v.to(device) for k, v in batch.items()}
                 logits = model(batch["pixel_values"], batch["input_ids"], batch["attention_mask"])[1]
                 loss_sum += F.cross_entropy(logits.float(), batch["labels"], reduction="sum").item()
@@ -381,61 +252,12 @@ def train_seed(size, rec, tokenizer, labels, total_steps, timer, evaluate, eval_
     return result
 
 
-class _TruncateTo:
-    """The tokenizer, padding / truncating to `max_length` whatever the caller asks (run_clip_loader asks for 128)."""
-
-    def __init__(self, tokenizer, max_length: int):
-        self.tokenizer, self.max_length = tokenizer, max_length
-
-    def __call__(self, texts, **kwargs):
-        return self.tokenizer(texts, **{**kwargs, "max_length": self.max_length})
-
-
-def run_clip_dataset(split, tokenizer, size: int, rec: dict):
-    """run_clip_loader's pipeline on `split` (its DataLoader unused: Trainer builds its own), with the answers as
-    labels, and the collate function that batches them."""
-    loader_args = SimpleNamespace(batch_size=rec["batch_size"], num_workers=0)
-    loader = benchmark_data.run_clip_loader(split, _TruncateTo(tokenizer, rec["max_length"]), size, loader_args)[0]
-    if len(loader.dataset) != len(split):
-        raise RuntimeError("run_clip's filter dropped rows; the labels would no longer line up.")
-    clip_collate = loader.collate_fn
-
-    def collate(examples):
-        return {**clip_collate(examples), "labels": torch.tensor([e["labels"] for e in examples])}
-
-    return loader.dataset.add_column("labels", split["answer"]), collate
-
-
-def run_clip_arguments(rec: dict, out: str, max_steps: int, **changes):
-    """The stock `TrainingArguments` of the run_clip contender: the recipe's optimizer and schedule."""
-    from transformers import TrainingArguments
-
-    settings = dict(
-        output_dir=out,
-        per_device_train_batch_size=rec["batch_size"],
-        per_device_eval_batch_size=rec["batch_size"],
-        learning_rate=rec["learning_rate"],
-        weight_decay=rec["weight_decay"],
-        warmup_steps=rec["warmup_steps"],
-        lr_scheduler_type=rec["lr_scheduler_type"],
-        max_steps=max_steps,
-        seed=rec["seed"],
-        bf16=torch.cuda.is_available(),
-        remove_unused_columns=False,  # pixel_values are made from the image column by the transform
-        eval_strategy="no",
-        save_strategy="no",
-        report_to="none",
-        disable_tqdm=True,
-    )
-    return TrainingArguments(**(settings | changes))
-
-
 def train_run_clip(size, rec, tokenizer, labels, total_steps, timer, evaluate, eval_questions, patch_size, out):
     from transformers import Trainer
 
     from mm_fusion import MMFusionForImageTextClassification
 
-    train, test = _easy_vqa(eval_questions)
+    train, test = easy_vqa_splits(eval_questions)
     train_dataset, collate = run_clip_dataset(train, tokenizer, size, rec)
     config = build_fusion_config(size, len(tokenizer), rec["max_length"], labels, patch_size)
     config.problem_type = "single_label_classification"
@@ -444,7 +266,7 @@ def train_run_clip(size, rec, tokenizer, labels, total_steps, timer, evaluate, e
     trainer = Trainer(model=model, args=args, train_dataset=train_dataset, data_collator=collate)
     trainer.add_callback(StepTimerCallback(timer, model))
     trainer.train()
-    result = {"parameters": sum(p.numel() for p in model.parameters()), "towers": _towers(config)}
+    result = {"parameters": sum(p.numel() for p in model.parameters()), "towers": tower_shapes(config)}
     if evaluate:
         prediction = trainer.predict(run_clip_dataset(test, tokenizer, size, rec)[0])  # Trainer's loop, logits kept
         logits = prediction.predictions[0] if isinstance(prediction.predictions, tuple) else prediction.predictions
@@ -469,7 +291,7 @@ def train_mm_fusion(size, rec, tokenizer_dir, total_steps, timer, evaluate, eval
     trainer.add_callback(StepTimerCallback(timer, trainer.model))
     trainer.train()
     model = trainer.model
-    result = {"parameters": sum(p.numel() for p in model.parameters()), "towers": _towers(model.config)}
+    result = {"parameters": sum(p.numel() for p in model.parameters()), "towers": tower_shapes(model.config)}
     if evaluate:
         metrics = trainer.evaluate()
         result.update(
@@ -478,17 +300,6 @@ def train_mm_fusion(size, rec, tokenizer_dir, total_steps, timer, evaluate, eval
             eval_count=len(trainer.eval_dataset),
         )
     return result
-
-
-def _towers(config) -> dict:
-    """What must be equal across contenders: the towers' shapes."""
-    v, t = config.vision_config, config.text_config
-    keys = ("hidden_size", "num_attention_heads", "intermediate_size", "num_hidden_layers")
-    return {
-        "vision": {**{k: getattr(v, k) for k in keys}, "patch_size": v.patch_size, "image_size": v.image_size},
-        "text": {**{k: getattr(t, k) for k in keys}, "vocab_size": t.vocab_size},
-        "fusion_layers": config.num_fusion_layers,
-    }
 
 
 def run_trial(payload: dict) -> dict:
@@ -538,14 +349,6 @@ def run_trial(payload: dict) -> dict:
 
 # --------------------------------------------------------------------------------------------------------------------
 # The run: trials in subprocesses, then tables, JSON and chart.
-
-
-def expected_s(contender: str, size: int, trained_steps: int, eval_questions: int, batch_size: int) -> float:
-    """Rough duration of one trial, from `STEP_S` and `STARTUP_S` (other sizes scaled by their pixels)."""
-    nearest = min(STEP_S[contender], key=lambda s: abs(s - size))
-    step = STEP_S[contender][nearest] * (size / nearest) ** 2
-    evaluation = eval_questions * step / batch_size / 2 if eval_questions else 0.0  # forward only, ~1/3 of a step
-    return STARTUP_S[contender] + trained_steps * step + evaluation
 
 
 def _ratios(trials: list[dict], size: int, rounds: int, other: str) -> dict | None:
@@ -778,18 +581,12 @@ def main(argv: list[str] | None = None) -> dict:
         order = args.contenders[r % len(args.contenders) :] + args.contenders[: r % len(args.contenders)]
         for size in args.sizes:
             for contender in order:
-                trained = max(warmups[size] + steps[size], loss_steps[size] if r == 0 else 0)
-                evaluated = args.eval_questions if r == 0 and loss_steps[size] else 0
-                plan.append((r, size, contender, expected_s(contender, size, trained, evaluated, rec["batch_size"])))
-    print(
-        f"{len(plan)} trials; estimated {sum(p[3] for p in plan) / 60:.0f} min at most on a 2-core machine like the "
-        "development one (calibrated there with 1 torch thread)",
-        flush=True,
-    )
+                plan.append((r, size, contender))
+    print(f"{len(plan)} trials", flush=True)
 
-    trials, start, expected_done = [], time.perf_counter(), 0.0
+    trials, start = [], time.perf_counter()
     try:
-        for i, (r, size, contender, expected) in enumerate(plan):
+        for r, size, contender in plan:
             payload = {
                 "contender": contender,
                 "size": size,
@@ -806,15 +603,12 @@ def main(argv: list[str] | None = None) -> dict:
             }
             t = run_in_new_interpreter("benchmark_training_step:run_trial", payload, datasets_cache=cache)
             trials.append(t)
-            expected_done += expected
             elapsed = time.perf_counter() - start
-            left = sum(p[3] for p in plan[i + 1 :]) * elapsed / expected_done  # the estimate, scaled by this machine
             split = ", ".join(f"{p.replace('_', ' ')} {t['split'][p]:.0%}" for p in PARTS)
             loss = f", eval loss {t['eval_loss']:.3f}" if t.get("eval_loss") is not None else ""
             print(
                 f"round {r + 1} {size:>3} px {contender:>9}: {t['samples_per_s']:7.1f} samples/s ({split}), "
-                f"peak {t['peak_memory_mib']:.0f} MiB{loss}; {elapsed / 60:.1f} min so far, about "
-                f"{left / 60:.0f} min left",
+                f"peak {t['peak_memory_mib']:.0f} MiB{loss}; {elapsed / 60:.1f} min so far",
                 flush=True,
             )
     finally:

@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from baselines import tower_shapes  # scripts/benchmarks is on sys.path (conftest.py)
 
 from mm_fusion.training import ModelArguments
 
@@ -31,11 +32,6 @@ def test_settings_and_plan(bench):
     args = bench.BenchmarkArguments()
     assert bench.training_settings(args) == [(64, 16), (128, 16), (224, 16), (64, 64), (64, 256)]
     assert bench._rotated([1, 2, 3], 1) == [2, 3, 1]
-    assert (
-        bench._count(None, 6.0, 0.1, 5) == 10
-        and bench._count(None, 6.0, 3.0, 5) == 5
-        and bench._count(7, 1, 1, 4) == 7
-    )
     plan = bench.plan_trials(args, bench.recipe(), 74, LABELS, "tokenizer")
     assert len(plan) == 3 * (5 + 2 + 9)
     for r in range(3):  # every round covers every setting of every table
@@ -51,7 +47,22 @@ def test_settings_and_plan(bench):
     # Every block runs the same number of iterations at a given length.
     for length in args.attention_lengths:
         assert len({p["iterations"] for p in plan if p["table"] == "attention" and p["text_length"] == length}) == 1
-    assert sum(bench.expected_s(p) for p in plan) < 15 * 60
+
+
+def test_default_and_given_numbers_of_timed_repeats(bench):
+    """10 timed steps / iterations, fewer for the slowest default settings; --steps / --iterations set every one."""
+    plan = bench.plan_trials(bench.BenchmarkArguments(), bench.recipe(), 74, LABELS, "tokenizer")
+    steps = {(p["image_size"], p["text_length"]): p["steps"] for p in plan if p["table"] == "training"}
+    assert steps == {(64, 16): 10, (128, 16): 10, (224, 16): 6, (64, 64): 10, (64, 256): 5}
+    assert {p["text_length"]: p["iterations"] for p in plan if p["table"] == "attention"} == {64: 10, 128: 10, 512: 5}
+    other = bench.BenchmarkArguments(rounds=1, image_sizes=[96], text_lengths=[], attention_lengths=[32])
+    plan = bench.plan_trials(other, bench.recipe(), 74, LABELS, "tokenizer")
+    assert [p["steps"] for p in plan if p["table"] == "training"] == [10]
+    assert {p["iterations"] for p in plan if p["table"] == "attention"} == {10}
+    given = bench.BenchmarkArguments(rounds=1, steps=3, iterations=4)
+    plan = bench.plan_trials(given, bench.recipe(), 74, LABELS, "tokenizer")
+    assert {p["steps"] for p in plan if p["table"] == "training"} == {3}
+    assert {p["iterations"] for p in plan if p["table"] == "attention"} == {4}
 
 
 def test_blocks_match(bench):
@@ -90,7 +101,7 @@ def test_report(bench):
     model = {
         "fusion_type": "hierarchical",
         "fusion_direction": "text_to_image",
-        **bench.benchmark_training_step._towers(config),
+        **tower_shapes(config),
     }
     trials = []
     for r in range(2):

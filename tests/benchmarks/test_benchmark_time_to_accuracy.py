@@ -90,7 +90,7 @@ def test_every_contender_trains_the_default_model_at_about_its_size(bench):
     train the default model without its stages' reads of the question (`SAME_MODEL`): all three within 2% of its
     parameters."""
     import torch
-    from benchmark_training_step import SEED_MAX_LENGTH, build_fusion_config, seed_model
+    from baselines import SEED_MAX_LENGTH, build_fusion_config, seed_model
 
     from mm_fusion import MMFusionForImageTextClassification
     from mm_fusion.training import ModelArguments

@@ -1,6 +1,6 @@
-"""scripts/benchmarks/benchmark_training_step.py: its timer, the seed-style model, the size check, the report."""
+"""scripts/benchmarks/benchmark_training_step.py: its timer, the size check, the report (the recipe and the seed-style
+model: test_baselines.py)."""
 
-import dataclasses
 import subprocess
 import sys
 from pathlib import Path
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from torch import nn
-from transformers import BertConfig, Trainer, TrainingArguments, ViTConfig
+from transformers import Trainer, TrainingArguments
 
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "benchmarks" / "benchmark_training_step.py"
@@ -27,18 +27,6 @@ def test_help_runs():
     assert "--loss_samples" in done.stdout
 
 
-def test_recipe_is_read_from_the_argument_defaults(bench):
-    from mm_fusion.training import DataArguments, MMFusionTrainingArguments, ModelArguments
-
-    recipe = bench.recipe()
-    training = {f.name: f.default for f in dataclasses.fields(MMFusionTrainingArguments)}
-    assert recipe["learning_rate"] == training["learning_rate"]
-    assert recipe["weight_decay"] == training["weight_decay"]
-    assert recipe["batch_size"] == training["per_device_train_batch_size"]
-    assert recipe["dropout"] == ModelArguments().dropout
-    assert recipe["max_length"] == DataArguments().max_length
-
-
 def test_per_size_values(bench):
     assert bench._per_size(None, {64: 30, 224: 10}, [64, 224, 128], "steps") == {64: 30, 224: 10, 128: 30}
     assert bench._per_size([3], {64: 30}, [64, 224], "steps") == {64: 3, 224: 3}
@@ -53,20 +41,6 @@ def test_contenders_have_the_same_size(bench):
         counts = bench.parameter_counts(size, 74, [str(i) for i in range(13)], recipe, None)
         assert counts["run_clip"] == counts["mm_fusion"]
         assert max(counts.values()) / min(counts.values()) - 1 <= 0.1
-
-
-def test_seed_model_ignores_padding(bench):
-    torch.manual_seed(0)
-    vision = ViTConfig(image_size=16, patch_size=4, hidden_size=32, num_hidden_layers=1, num_attention_heads=4)
-    text = BertConfig(vocab_size=50, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64)
-    model = bench.SeedStyleModel(vision, text, num_labels=5, num_fusion_layers=2, dropout=0.1).eval()
-    pixel_values = torch.randn(2, 3, 16, 16)
-    input_ids = torch.tensor([[2, 7, 8, 3, 0, 0], [2, 9, 3, 0, 0, 0]])
-    attention_mask = (input_ids != 0).long()
-    loss, logits = model(pixel_values, input_ids, attention_mask, labels=torch.tensor([1, 4]))
-    assert logits.shape == (2, 5) and torch.isfinite(loss)
-    other_padding = input_ids.masked_fill(attention_mask == 0, 11)  # other ids under the mask: same logits
-    torch.testing.assert_close(model(pixel_values, other_padding, attention_mask)[1], logits)
 
 
 class _TinyModel(nn.Module):
