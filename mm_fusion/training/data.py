@@ -50,7 +50,11 @@ class TrainingData:
     datasets: DatasetDict
     labels: list[str] | None
     group_columns: list[str]
-    path: "DataPath | None" = None  # the path that loaded them
+    path: "DataPath | None" = None  # the path that loaded them; pairs given as a `DatasetDict` take the Arrow one
+
+    def __post_init__(self):
+        if self.path is None:
+            self.path = ARROW
 
 
 @dataclass(frozen=True)
@@ -87,7 +91,7 @@ def load_arrow_data(model_args: ModelArguments, data_args: DataArguments, traini
     group_columns = [c.strip() for c in (data_args.eval_group_columns or "").split(",") if c.strip()]
     if group_columns and task == "pretrain":
         raise ValueError("--eval_group_columns reports accuracy per group, for vqa / classify; not for pretrain.")
-    return TrainingData(data, labels, group_columns)
+    return TrainingData(data, labels, group_columns, path=ARROW)
 
 
 def arrow_tokenizer_texts(data: TrainingData, data_args: DataArguments) -> list[str]:

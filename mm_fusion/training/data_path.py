@@ -12,6 +12,4 @@ def load_training_data(model_args: ModelArguments, data_args: DataArguments, tra
     the shards named, nothing read yet). The result keeps its path (`.path`), which the later steps follow.
     """
     path = STREAMING if data_args.streaming else ARROW
-    data = path.load(model_args, data_args, training_args)
-    data.path = path
-    return data
+    return path.load(model_args, data_args, training_args)

@@ -51,7 +51,7 @@ def load_streaming_data(model_args: ModelArguments, data_args: DataArguments, tr
     labels = read_class_names(data_args.class_names) if model_args.task != "pretrain" else None
     if labels is not None and data_args.label_column is None:
         data_args.label_column = "cls" if train.kind == "webdataset" else "label"
-    return TrainingData(sources, labels, [])
+    return TrainingData(sources, labels, [], path=STREAMING)
 
 
 def stream_texts(source: StreamSource, text_column: str, limit: int = TOKENIZER_TEXTS) -> list[str]:
