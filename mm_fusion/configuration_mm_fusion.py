@@ -3,7 +3,8 @@
 import inspect
 import os
 
-from transformers import AutoConfig, PretrainedConfig
+from huggingface_hub.dataclasses import strict
+from transformers import AutoConfig, PreTrainedConfig
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.models.auto.modeling_auto import MODEL_MAPPING
 
@@ -53,11 +54,11 @@ DEFAULT_TEXT_CONFIG = {
 }
 
 
-def _as_config(config: PretrainedConfig | dict | None, default: dict, name: str) -> PretrainedConfig:
+def _as_config(config: PreTrainedConfig | dict | None, default: dict, name: str) -> PreTrainedConfig:
     """Turn a sub-config given as `None`, a dict (with `model_type`) or a config object into a config object."""
     if config is None:
         config = dict(default)
-    if isinstance(config, PretrainedConfig):
+    if isinstance(config, PreTrainedConfig):
         return config
     if not isinstance(config, dict):
         raise TypeError(f"`{name}` must be a transformers config, a dict or None, got {type(config).__name__}.")
@@ -70,7 +71,7 @@ def _as_config(config: PretrainedConfig | dict | None, default: dict, name: str)
     return CONFIG_MAPPING[model_type](**config)
 
 
-def _check_tower_config(config: PretrainedConfig, role: str) -> None:
+def _check_tower_config(config: PreTrainedConfig, role: str) -> None:
     """Refuse a tower config whose model is not an encoder of the right modality."""
     name = f"{role}_config"
     if role == "vision" and vision_tower_type(config) != "transformer" and is_vision_model_config(config):
@@ -99,6 +100,15 @@ def _check_tower_config(config: PretrainedConfig, role: str) -> None:
         )
 
 
+def _per_channel(value: list | tuple | float | int | None, default: tuple, num_channels: int) -> list[float]:
+    """A per-channel normalisation setting as a list of floats: the default, or one number for every channel."""
+    if value is None:
+        value = default
+    if isinstance(value, (int, float)):
+        value = [value] * num_channels
+    return [float(x) for x in value]
+
+
 def _init_scheme(init_scheme: str | None, fusion_init: str | None, vision_film_init: str | None) -> str:
     """`init_scheme`, or the scheme of the two settings it replaced (`fusion_init`, `vision_film_init`), which configs
     saved with them still carry: `"pytorch"` where either is `"pytorch"`."""
@@ -119,36 +129,29 @@ def _init_scheme(init_scheme: str | None, fusion_init: str | None, vision_film_i
     return earlier
 
 
-class MMFusionConfig(PretrainedConfig):
+@strict
+class MMFusionConfig(PreTrainedConfig):
     r"""
     Configuration of an image-text fusion model: a vision tower, a text tower (any transformers encoder configs) and
     the block that fuses them.
 
     Args:
-        vision_config (`PretrainedConfig` or `dict`, *optional*):
+        vision_config (`PreTrainedConfig` or `dict`, *optional*):
             Config of the vision tower: a transformer encoder (e.g. `ViTConfig`, `CLIPVisionConfig`,
             `SiglipVisionConfig`), a backbone (`ResNetConfig`, `ConvNextConfig`..., built with `AutoBackbone`) or a
             convolutional model (`MobileNetV2Config`...), whose feature maps become tokens (see
             `vision_position_embedding`). Defaults to a small ViT.
-        text_config (`PretrainedConfig` or `dict`, *optional*):
+        text_config (`PreTrainedConfig` or `dict`, *optional*):
             Config of the text tower (e.g. `BertConfig`, `RobertaConfig`). Defaults to a small BERT.
         fusion_type (`str`, *optional*, defaults to `"hierarchical"`):
             `"hierarchical"`: co-attention layers, each fed through a bridge from a different tower layer
             (BridgeTower-like); `"cross_attention"`: a stack of co-attention layers on the towers' final features;
             `"late"`: no cross-modal attention, pooled tower features and projections only (dual encoder).
-        fusion_hidden_size (`int`, *optional*):
-            Width of the fusion layers. Defaults to the text tower's `hidden_size`.
         fusion_direction (`str`, *optional*, defaults to `"bidirectional"`):
             `"bidirectional"`: co-attention, text attends to image and image to text in every fusion layer;
             `"text_to_image"`: only the text attends to the image (the image stream is bridged but not updated), so
             the image keys / values are computed once per image and shared by all its texts: with batches grouped by
             image (several questions per image) the fusion costs a fraction.
-        num_fusion_layers (`int`, *optional*, defaults to 2):
-            Number of co-attention layers (ignored by `"late"`).
-        fusion_num_attention_heads (`int`, *optional*):
-            Attention heads in each fusion attention. Defaults to the text tower's `num_attention_heads`.
-        fusion_intermediate_size (`int`, *optional*):
-            Width of the fusion feed-forward layers. Defaults to `4 * fusion_hidden_size`.
         fusion_layer_order (`str`, *optional*, defaults to `"self_first"`):
             The order of the two attentions in each fusion layer's streams. `"self_first"`: self-attention,
             cross-attention, MLP (the order of a BERT decoder layer; a saved config without this field loads with
@@ -158,6 +161,14 @@ class MMFusionConfig(PretrainedConfig):
             the same in every sentence it is in, so that a read learned for one question serves the others: use it
             when the texts name what to look at by single words (`scripts/configs/sort_of_clevr_hierarchical.yaml`
             sets both).
+        num_fusion_layers (`int`, *optional*, defaults to 2):
+            Number of co-attention layers (ignored by `"late"`).
+        fusion_hidden_size (`int`, *optional*):
+            Width of the fusion layers. Defaults to the text tower's `hidden_size`.
+        fusion_num_attention_heads (`int`, *optional*):
+            Attention heads in each fusion attention. Defaults to the text tower's `num_attention_heads`.
+        fusion_intermediate_size (`int`, *optional*):
+            Width of the fusion feed-forward layers. Defaults to `4 * fusion_hidden_size`.
         vision_bridge_layers (`list[int]`, *optional*):
             For `"hierarchical"`: which vision tower hidden states (0 = embeddings, `num_hidden_layers` = last layer)
             feed the fusion layers, one per fusion layer. Defaults to the last `num_fusion_layers` layers. For a
@@ -175,6 +186,38 @@ class MMFusionConfig(PretrainedConfig):
             Activation of the fusion feed-forward layers and heads.
         layer_norm_eps (`float`, *optional*, defaults to 1e-6):
             Epsilon of the fusion layer norms.
+        vision_position_embedding (`str`, *optional*, defaults to `"sine"`):
+            How the tokens of a backbone / convolutional tower know where they are: `"sine"` (fixed 2-D sine
+            embeddings added after the 1x1 projection to `fusion_hidden_size`), `"coordinates"` ((x, y) channels
+            appended to the feature map before it), `"sine_coordinates"` (both), `"sine_attention"` (the same sine
+            embeddings, added inside the fusion after each LayerNorm that feeds an attention, to the keys and values
+            the text reads, so that no LayerNorm scales an object's position down beside its features; late fusion
+            has no attention to add them to) or `"none"`. Transformer towers keep their own position embeddings.
+        feature_map_bridge (`bool`, *optional*, defaults to `True`):
+            Whether a backbone / convolutional tower's tokens pass through the fusion's image bridge (a linear map to
+            `fusion_hidden_size`) after their own 1x1 projection to that width. `False` feeds them to the fusion as
+            projected (plus positions), one linear map fewer between the feature map and the attention
+            (`scripts/train.py` sets it for a convolutional tower trained from scratch with cross-attention fusion and
+            a classification head). Transformer towers always have their bridge.
+        vision_conv_stem (`list[int]`, *optional*):
+            Widths of stride-2 3x3 convolutions (each with BatchNorm and ReLU) that replace the patch-embedding
+            convolution of a transformer vision tower, followed by a convolution of the remaining stride to its width:
+            `[32, 64, 128]` with `patch_size=8` gives the same 8x8-pixel tokens from a convolutional stem.
+        vision_film (`bool`, *optional*, defaults to `False`):
+            Condition a backbone / convolutional vision tower on the text (FiLM, arXiv:1709.07871): the output of every
+            stage after the stem is scaled and shifted per channel by a linear map of the pooled text (initialised to
+            zero, so training starts from the unconditioned tower). The tower then runs once per image-text pair
+            instead of once per image, and an image has no features without a text, so the contrastive / matching
+            head ([`MMFusionForPretraining`]) and `get_image_features` are not available.
+        vision_text_attention (`bool`, *optional*, defaults to `False`):
+            Condition a backbone / convolutional vision tower on the text by cross-attention: after every stage but the
+            stem, each cell of the stage's map reads the text's tokens (the text tower's last layer) with a query from
+            its own channels, and what it reads is added to it. Unlike FiLM's one scale and shift for all cells, each
+            cell reads for itself, so the convolutions that follow see which cells the question is about: use it when
+            the answer depends on where the object the text names is (`scripts/train.py` sets it for a convolutional
+            tower trained from scratch with cross-attention fusion and a classification head). The same consequences
+            as `vision_film` (one tower run per pair; no pretraining head or `get_image_features`); the two cannot be
+            combined.
         pooling_mode (`str`, *optional*, defaults to `"mean"`):
             How a sequence becomes one vector: `"mean"` (over non-padding tokens / all patches) or `"cls"` (first
             token).
@@ -220,46 +263,14 @@ class MMFusionConfig(PretrainedConfig):
             (`scripts/train.py` sets it for such a tower with cross-attention fusion and a classification head).
             Configs saved with the earlier `fusion_init` / `vision_film_init` load with `"pytorch"` where either
             was `"pytorch"`.
-        feature_map_bridge (`bool`, *optional*, defaults to `True`):
-            Whether a backbone / convolutional tower's tokens pass through the fusion's image bridge (a linear map to
-            `fusion_hidden_size`) after their own 1x1 projection to that width. `False` feeds them to the fusion as
-            projected (plus positions), one linear map fewer between the feature map and the attention
-            (`scripts/train.py` sets it for a convolutional tower trained from scratch with cross-attention fusion and
-            a classification head). Transformer towers always have their bridge.
-        vision_position_embedding (`str`, *optional*, defaults to `"sine"`):
-            How the tokens of a backbone / convolutional tower know where they are: `"sine"` (fixed 2-D sine
-            embeddings added after the 1x1 projection to `fusion_hidden_size`), `"coordinates"` ((x, y) channels
-            appended to the feature map before it), `"sine_coordinates"` (both), `"sine_attention"` (the same sine
-            embeddings, added inside the fusion after each LayerNorm that feeds an attention, to the keys and values
-            the text reads, so that no LayerNorm scales an object's position down beside its features; late fusion
-            has no attention to add them to) or `"none"`. Transformer towers keep their own position embeddings.
-        vision_conv_stem (`list[int]`, *optional*):
-            Widths of stride-2 3x3 convolutions (each with BatchNorm and ReLU) that replace the patch-embedding
-            convolution of a transformer vision tower, followed by a convolution of the remaining stride to its width:
-            `[32, 64, 128]` with `patch_size=8` gives the same 8x8-pixel tokens from a convolutional stem.
-        vision_film (`bool`, *optional*, defaults to `False`):
-            Condition a backbone / convolutional vision tower on the text (FiLM, arXiv:1709.07871): the output of every
-            stage after the stem is scaled and shifted per channel by a linear map of the pooled text (initialised to
-            zero, so training starts from the unconditioned tower). The tower then runs once per image-text pair
-            instead of once per image, and an image has no features without a text, so the contrastive / matching
-            head ([`MMFusionForPretraining`]) and `get_image_features` are not available.
-        vision_text_attention (`bool`, *optional*, defaults to `False`):
-            Condition a backbone / convolutional vision tower on the text by cross-attention: after every stage but the
-            stem, each cell of the stage's map reads the text's tokens (the text tower's last layer) with a query from
-            its own channels, and what it reads is added to it. Unlike FiLM's one scale and shift for all cells, each
-            cell reads for itself, so the convolutions that follow see which cells the question is about: use it when
-            the answer depends on where the object the text names is (`scripts/train.py` sets it for a convolutional
-            tower trained from scratch with cross-attention fusion and a classification head). The same consequences
-            as `vision_film` (one tower run per pair; no pretraining head or `get_image_features`); the two cannot be
-            combined.
-        image_mean (`list[float]`, *optional*, defaults to the ImageNet mean):
+        image_mean (`list[float]` or `float`, *optional*, defaults to the ImageNet mean):
             Per-channel mean used when `pixel_values` arrive as uint8 in [0, 255] (as the data collator delivers
             them): the model then normalises them itself, on its device. Set it to the vision tower's own values
-            when composing pretrained towers.
-        image_std (`list[float]`, *optional*, defaults to the ImageNet standard deviation):
+            when composing pretrained towers. One number serves every channel.
+        image_std (`list[float]` or `float`, *optional*, defaults to the ImageNet standard deviation):
             Per-channel standard deviation for the same normalisation.
         kwargs (*optional*):
-            Passed to [`PretrainedConfig`], e.g. `num_labels`, `id2label`, `label2id`.
+            Passed to [`PreTrainedConfig`], e.g. `num_labels`, `id2label`, `label2id`.
 
     Example:
 
@@ -275,138 +286,147 @@ class MMFusionConfig(PretrainedConfig):
     model_type = "mm_fusion"
     sub_configs = {"vision_config": AutoConfig, "text_config": AutoConfig}
 
-    def __init__(
-        self,
-        vision_config: PretrainedConfig | dict | None = None,
-        text_config: PretrainedConfig | dict | None = None,
-        fusion_type: str = "hierarchical",
-        fusion_hidden_size: int | None = None,
-        fusion_direction: str = "bidirectional",
-        fusion_layer_order: str = "self_first",
-        num_fusion_layers: int = 2,
-        fusion_num_attention_heads: int | None = None,
-        fusion_intermediate_size: int | None = None,
-        vision_bridge_layers: list[int] | None = None,
-        text_bridge_layers: list[int] | None = None,
-        fusion_dropout: float = 0.1,
-        fusion_attention_dropout: float = 0.0,
-        hidden_act: str = "gelu",
-        layer_norm_eps: float = 1e-6,
-        pooling_mode: str = "mean",
-        image_pooling: str | None = None,
-        joint_pooling: str = "concat",
-        projection_dim: int = 256,
-        logit_scale_init_value: float = 2.6592,
-        max_logit_scale: float = 100.0,
-        itc_loss_weight: float = 1.0,
-        itm_loss_weight: float = 1.0,
-        classifier_hidden_size: int | None = None,
-        classifier_dropout: float = 0.1,
-        initializer_range: float = 0.02,
-        image_mean: list[float] | None = None,
-        image_std: list[float] | None = None,
-        vision_position_embedding: str = "sine",
-        vision_conv_stem: list[int] | None = None,
-        vision_film: bool = False,
-        vision_text_attention: bool = False,
-        init_scheme: str | None = None,
-        feature_map_bridge: bool = True,
-        **kwargs,
-    ):
-        init_scheme = _init_scheme(init_scheme, kwargs.pop("fusion_init", None), kwargs.pop("vision_film_init", None))
-        if fusion_type not in FUSION_TYPES:
-            raise ValueError(f"Unknown fusion_type {fusion_type!r}; valid fusion types are {', '.join(FUSION_TYPES)}.")
-        if pooling_mode not in POOLING_MODES:
-            raise ValueError(f"Unknown pooling_mode {pooling_mode!r}; valid modes are {', '.join(POOLING_MODES)}.")
-        image_pooling = image_pooling or pooling_mode
-        if image_pooling not in IMAGE_POOLING:
-            raise ValueError(f"Unknown image_pooling {image_pooling!r}; valid values are {', '.join(IMAGE_POOLING)}.")
-        if joint_pooling not in JOINT_POOLING:
-            raise ValueError(f"Unknown joint_pooling {joint_pooling!r}; valid values are {', '.join(JOINT_POOLING)}.")
-        self.vision_config = _as_config(vision_config, DEFAULT_VISION_CONFIG, "vision_config")
-        self.text_config = _as_config(text_config, DEFAULT_TEXT_CONFIG, "text_config")
+    # The fields, by what they shape. `None` where the default follows from another field (`__post_init__` fills it).
+    # The towers
+    vision_config: dict | PreTrainedConfig | None = None
+    text_config: dict | PreTrainedConfig | None = None
+    # The fusion block
+    fusion_type: str = "hierarchical"
+    fusion_direction: str = "bidirectional"
+    fusion_layer_order: str = "self_first"
+    num_fusion_layers: int = 2
+    fusion_hidden_size: int | None = None
+    fusion_num_attention_heads: int | None = None
+    fusion_intermediate_size: int | None = None
+    vision_bridge_layers: list[int | str] | None = None
+    text_bridge_layers: list[int | str] | None = None
+    fusion_dropout: float | int = 0.1
+    fusion_attention_dropout: float | int = 0.0
+    hidden_act: str = "gelu"
+    layer_norm_eps: float = 1e-6
+    # The image tokens of a backbone / convolutional tower, and its conditioning on the text
+    vision_position_embedding: str = "sine"
+    feature_map_bridge: bool = True
+    vision_conv_stem: list[int] | None = None
+    vision_film: bool = False
+    vision_text_attention: bool = False
+    # Pooling
+    pooling_mode: str = "mean"
+    image_pooling: str | None = None
+    joint_pooling: str = "concat"
+    # The heads and their losses
+    projection_dim: int = 256
+    logit_scale_init_value: float | int = 2.6592
+    max_logit_scale: float | int = 100.0
+    itc_loss_weight: float | int = 1.0
+    itm_loss_weight: float | int = 1.0
+    classifier_hidden_size: int | None = None
+    classifier_dropout: float | int = 0.1
+    # Initialisation
+    initializer_range: float = 0.02
+    init_scheme: str | None = None
+    # Pixel normalisation: a value per channel, or one for all
+    image_mean: list[float | int] | tuple[float | int, ...] | float | int | None = None
+    image_std: list[float | int] | tuple[float | int, ...] | float | int | None = None
+
+    def __post_init__(self, **kwargs):
+        """Fill the defaults that follow from other fields, read the settings that `init_scheme` replaced, and refuse
+        a combination the model cannot build, naming the fields."""
+        self.init_scheme = _init_scheme(
+            self.init_scheme, kwargs.pop("fusion_init", None), kwargs.pop("vision_film_init", None)
+        )
+        self._settle_pooling()
+        self.vision_config = _as_config(self.vision_config, DEFAULT_VISION_CONFIG, "vision_config")
+        self.text_config = _as_config(self.text_config, DEFAULT_TEXT_CONFIG, "text_config")
         _check_tower_config(self.vision_config, "vision")
         _check_tower_config(self.text_config, "text")
-
-        if fusion_direction not in FUSION_DIRECTIONS:
-            raise ValueError(
-                f"Unknown fusion_direction {fusion_direction!r}; valid values are {', '.join(FUSION_DIRECTIONS)}."
-            )
-        if fusion_layer_order not in FUSION_LAYER_ORDERS:
-            raise ValueError(
-                f"Unknown fusion_layer_order {fusion_layer_order!r}; orders are {', '.join(FUSION_LAYER_ORDERS)}."
-            )
-        self.fusion_type = fusion_type
-        self.fusion_direction = fusion_direction
-        self.fusion_layer_order = fusion_layer_order
-        self.fusion_hidden_size = fusion_hidden_size or self.text_config.hidden_size
-        self.num_fusion_layers = num_fusion_layers
-        self.fusion_num_attention_heads = fusion_num_attention_heads or getattr(
-            self.text_config, "num_attention_heads", 8
-        )
-        self.fusion_intermediate_size = fusion_intermediate_size or 4 * self.fusion_hidden_size
-        if self.fusion_hidden_size % self.fusion_num_attention_heads:
-            raise ValueError(
-                f"fusion_hidden_size ({self.fusion_hidden_size}) must be divisible by fusion_num_attention_heads "
-                f"({self.fusion_num_attention_heads})."
-            )
-        if fusion_type != "late" and num_fusion_layers < 1:
-            raise ValueError(f"fusion_type {fusion_type!r} needs num_fusion_layers >= 1, got {num_fusion_layers}.")
-        self.vision_bridge_layers = self._bridge_layers(vision_bridge_layers, self.vision_config, "vision")
-        self.text_bridge_layers = self._bridge_layers(text_bridge_layers, self.text_config, "text")
-        self._check_vision_tokens(vision_position_embedding, vision_conv_stem, pooling_mode, image_pooling)
-        self.vision_position_embedding = vision_position_embedding
-        self.vision_conv_stem = [int(c) for c in vision_conv_stem] if vision_conv_stem else None
-        if vision_film and self.vision_tower_type == "transformer":
-            raise ValueError(
-                f"vision_film scales and shifts the stages of a backbone / convolutional vision tower; the "
-                f"{type(self.vision_config).__name__} tower is a transformer encoder."
-            )
-        if vision_text_attention and self.vision_tower_type == "transformer":
-            raise ValueError(
-                f"vision_text_attention conditions the stages of a backbone / convolutional vision tower; the "
-                f"{type(self.vision_config).__name__} tower is a transformer encoder."
-            )
-        if vision_film and vision_text_attention:
-            raise ValueError(
-                "vision_film and vision_text_attention both condition the vision tower's stages on the text: choose "
-                "one."
-            )
-        self.vision_film = bool(vision_film)
-        self.vision_text_attention = bool(vision_text_attention)
-        self.init_scheme = init_scheme
-        self.feature_map_bridge = bool(feature_map_bridge)
-        if self.vision_tower_type == "backbone":  # the backbone outputs exactly the stages fusion reads
-            self.vision_config = with_out_indices(self.vision_config, self.vision_stages)
-        self.fusion_dropout = fusion_dropout
-        self.fusion_attention_dropout = fusion_attention_dropout
-        self.hidden_act = hidden_act
-        self.layer_norm_eps = layer_norm_eps
-        self.pooling_mode = pooling_mode
-        self.image_pooling = image_pooling
-        self.joint_pooling = joint_pooling
-        self.projection_dim = projection_dim
-        self.logit_scale_init_value = logit_scale_init_value
-        self.max_logit_scale = max_logit_scale
-        if itc_loss_weight < 0 or itm_loss_weight < 0 or itc_loss_weight + itm_loss_weight == 0:
-            raise ValueError(
-                f"itc_loss_weight ({itc_loss_weight}) and itm_loss_weight ({itm_loss_weight}) must be >= 0 and not "
-                "both 0."
-            )
-        self.itc_loss_weight = itc_loss_weight
-        self.itm_loss_weight = itm_loss_weight
-        self.classifier_hidden_size = classifier_hidden_size
-        self.classifier_dropout = classifier_dropout
-        self.initializer_range = initializer_range
-        self.image_mean = [float(x) for x in (image_mean if image_mean is not None else IMAGENET_MEAN)]
-        self.image_std = [float(x) for x in (image_std if image_std is not None else IMAGENET_STD)]
+        self._settle_fusion()
+        self._settle_vision_tokens()
+        self._settle_heads()
         num_channels = getattr(self.vision_config, "num_channels", 3)
+        self.image_mean = _per_channel(self.image_mean, IMAGENET_MEAN, num_channels)
+        self.image_std = _per_channel(self.image_std, IMAGENET_STD, num_channels)
         if len(self.image_mean) != num_channels or len(self.image_std) != num_channels or min(self.image_std) <= 0:
             raise ValueError(
                 f"image_mean and image_std need {num_channels} values (one per channel, std > 0); got "
                 f"{self.image_mean} and {self.image_std}."
             )
-        super().__init__(**kwargs)
+        super().__post_init__(**kwargs)
+
+    def _settle_fusion(self) -> None:
+        if self.fusion_type not in FUSION_TYPES:
+            raise ValueError(
+                f"Unknown fusion_type {self.fusion_type!r}; valid fusion types are {', '.join(FUSION_TYPES)}."
+            )
+        if self.fusion_direction not in FUSION_DIRECTIONS:
+            raise ValueError(
+                f"Unknown fusion_direction {self.fusion_direction!r}; valid values are {', '.join(FUSION_DIRECTIONS)}."
+            )
+        if self.fusion_layer_order not in FUSION_LAYER_ORDERS:
+            raise ValueError(
+                f"Unknown fusion_layer_order {self.fusion_layer_order!r}; orders are {', '.join(FUSION_LAYER_ORDERS)}."
+            )
+        self.fusion_hidden_size = self.fusion_hidden_size or self.text_config.hidden_size
+        self.fusion_num_attention_heads = self.fusion_num_attention_heads or getattr(
+            self.text_config, "num_attention_heads", 8
+        )
+        self.fusion_intermediate_size = self.fusion_intermediate_size or 4 * self.fusion_hidden_size
+        if self.fusion_hidden_size % self.fusion_num_attention_heads:
+            raise ValueError(
+                f"fusion_hidden_size ({self.fusion_hidden_size}) must be divisible by fusion_num_attention_heads "
+                f"({self.fusion_num_attention_heads})."
+            )
+        if self.fusion_type != "late" and self.num_fusion_layers < 1:
+            raise ValueError(
+                f"fusion_type {self.fusion_type!r} needs num_fusion_layers >= 1, got {self.num_fusion_layers}."
+            )
+        self.vision_bridge_layers = self._bridge_layers(self.vision_bridge_layers, self.vision_config, "vision")
+        self.text_bridge_layers = self._bridge_layers(self.text_bridge_layers, self.text_config, "text")
+
+    def _settle_vision_tokens(self) -> None:
+        self._check_vision_tokens()
+        if self.vision_conv_stem:
+            self.vision_conv_stem = [int(c) for c in self.vision_conv_stem]
+        else:
+            self.vision_conv_stem = None
+        name = type(self.vision_config).__name__
+        if self.vision_film and self.vision_tower_type == "transformer":
+            raise ValueError(
+                f"vision_film scales and shifts the stages of a backbone / convolutional vision tower; the {name} "
+                "tower is a transformer encoder."
+            )
+        if self.vision_text_attention and self.vision_tower_type == "transformer":
+            raise ValueError(
+                f"vision_text_attention conditions the stages of a backbone / convolutional vision tower; the {name} "
+                "tower is a transformer encoder."
+            )
+        if self.vision_film and self.vision_text_attention:
+            raise ValueError(
+                "vision_film and vision_text_attention both condition the vision tower's stages on the text: choose "
+                "one."
+            )
+        if self.vision_tower_type == "backbone":  # the backbone outputs exactly the stages fusion reads
+            self.vision_config = with_out_indices(self.vision_config, self.vision_stages)
+
+    def _settle_pooling(self) -> None:
+        if self.pooling_mode not in POOLING_MODES:
+            raise ValueError(
+                f"Unknown pooling_mode {self.pooling_mode!r}; valid modes are {', '.join(POOLING_MODES)}."
+            )
+        self.image_pooling = self.image_pooling or self.pooling_mode
+        if self.image_pooling not in IMAGE_POOLING:
+            raise ValueError(
+                f"Unknown image_pooling {self.image_pooling!r}; valid values are {', '.join(IMAGE_POOLING)}."
+            )
+        if self.joint_pooling not in JOINT_POOLING:
+            raise ValueError(
+                f"Unknown joint_pooling {self.joint_pooling!r}; valid values are {', '.join(JOINT_POOLING)}."
+            )
+
+    def _settle_heads(self) -> None:
+        itc, itm = self.itc_loss_weight, self.itm_loss_weight
+        if itc < 0 or itm < 0 or itc + itm == 0:
+            raise ValueError(f"itc_loss_weight ({itc}) and itm_loss_weight ({itm}) must be >= 0 and not both 0.")
 
     # The pipelines that serve the saved head travel with it: `custom_pipelines` entries and their code
     # (`custom_pipelines.py` says which, and why a task this process serves itself is not read back).
@@ -467,9 +487,8 @@ class MMFusionConfig(PretrainedConfig):
             )
         return image_token_count(self.vision_config, self.vision_stages, size)
 
-    def _check_vision_tokens(
-        self, position_embedding: str, conv_stem: list[int] | None, pooling_mode: str, image_pooling: str
-    ) -> None:
+    def _check_vision_tokens(self) -> None:
+        position_embedding, conv_stem = self.vision_position_embedding, self.vision_conv_stem
         if position_embedding not in POSITION_EMBEDDINGS:
             raise ValueError(
                 f"Unknown vision_position_embedding {position_embedding!r}; valid values are "
@@ -483,7 +502,7 @@ class MMFusionConfig(PretrainedConfig):
                     f"vision_conv_stem replaces a vision transformer's patchify; the {name} tower is convolutional "
                     "already."
                 )
-            if "cls" in (pooling_mode, image_pooling):
+            if "cls" in (self.pooling_mode, self.image_pooling):
                 raise ValueError(
                     f"pooling_mode / image_pooling 'cls' pools the first token, but the {name} tower's tokens are "
                     "feature-map cells with no CLS token among them: use 'mean' (or image_pooling='flatten')."
@@ -501,7 +520,7 @@ class MMFusionConfig(PretrainedConfig):
                     f"{2 ** len(conv_stem)}), which must divide the vision tower's patch_size ({patch})."
                 )
 
-    def _bridge_layers(self, layers: list[int] | None, tower: PretrainedConfig, role: str) -> list[int] | None:
+    def _bridge_layers(self, layers: list[int] | None, tower: PreTrainedConfig, role: str) -> list[int] | None:
         """Resolve and check the tower layers (or feature-map stages) that feed the hierarchical bridges."""
         if self.fusion_type != "hierarchical":
             return None

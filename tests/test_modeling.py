@@ -6,10 +6,12 @@ import dataclasses
 import inspect
 import json
 import os
+import re
 
 import pytest
 import torch
 from helpers.models import FUSION_TYPES, expected_output_shapes
+from huggingface_hub.errors import StrictDataclassFieldValidationError
 from transformers import (
     AutoConfig,
     AutoModel,
@@ -18,6 +20,7 @@ from transformers import (
     BertConfig,
     CLIPConfig,
     CLIPVisionConfig,
+    PreTrainedConfig,
 )
 
 from mm_fusion import (
@@ -29,6 +32,7 @@ from mm_fusion import (
 
 
 HEADS = [MMFusionModel, MMFusionForImageTextClassification, MMFusionForPretraining]
+BASE_CONFIG_FIELDS = {f.name for f in dataclasses.fields(PreTrainedConfig)}
 
 
 def _outputs(model, inputs):
@@ -586,6 +590,33 @@ def test_error_vision_config_that_is_not_a_vision_encoder(tester):
         MMFusionConfig(vision_config=CLIPConfig(), text_config=tester.text_config())
     with pytest.raises(ValueError, match="`text_config` must be a text encoder.*ViTConfig"):
         MMFusionConfig(vision_config=tester.vision_config(), text_config=tester.vision_config())
+
+
+def test_config_fields_are_declared_and_documented():
+    """Every setting is a declared field of the config (a dataclass, as transformers 5 declares its configs), and the
+    docstring documents exactly those fields, in their order."""
+    own = [f.name for f in dataclasses.fields(MMFusionConfig) if f.name not in BASE_CONFIG_FIELDS]
+    documented = re.findall(r"^        (\w+) \(`", MMFusionConfig.__doc__, re.M)
+    assert own == documented
+    assert len(own) == 34 and own[:2] == ["vision_config", "text_config"]
+
+
+def test_config_refuses_a_value_of_the_wrong_type_naming_the_field(tester):
+    with pytest.raises(StrictDataclassFieldValidationError, match="num_fusion_layers.*expected int, got str"):
+        tester.config(num_fusion_layers="2")
+    config = tester.config()
+    with pytest.raises(StrictDataclassFieldValidationError, match="vision_film.*expected bool"):
+        config.vision_film = "yes"
+    assert config.vision_film is False
+
+
+def test_config_pixel_normalisation_per_channel_or_one_number(tester):
+    config = tester.config(image_mean=0.5, image_std=(0.2, 0.25, 0.3))
+    assert config.image_mean == [0.5, 0.5, 0.5] and config.image_std == [0.2, 0.25, 0.3]
+    with pytest.raises(ValueError, match=r"need 3 values \(one per channel, std > 0\); got \[0.5, 0.5\] and"):
+        tester.config(image_mean=[0.5, 0.5])
+    with pytest.raises(ValueError, match="std > 0"):
+        tester.config(image_std=0)
 
 
 def test_error_bridge_layers(tester):

@@ -353,10 +353,6 @@ def describe_vision_tower(config, image_size: int) -> str:
         f"{vision.model_type} ({config.vision_tower_type}), {image_size}px images; stages {stages} ({channels} "
         f"channels) read as tokens of width {config.vision_hidden_size}, "
         f"`{config.vision_position_embedding}` positions"
-        + ("; every stage FiLM-conditioned on the text" if getattr(config, "vision_film", False) else "")
-        + (
-            "; every stage's cells read the text by cross-attention"
-            if getattr(config, "vision_text_attention", False)
-            else ""
-        )
+        + ("; every stage FiLM-conditioned on the text" if config.vision_film else "")
+        + ("; every stage's cells read the text by cross-attention" if config.vision_text_attention else "")
     )
