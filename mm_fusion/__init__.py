@@ -21,6 +21,7 @@ from .modeling_mm_fusion import (
     MMFusionModel,
     MMFusionPreTrainedModel,
 )
+from .onnx_model import MMFusionOnnxModel
 from .pipeline_mm_fusion import (
     PIPELINE_TASKS,
     CachedZeroShotImageClassificationPipeline,
@@ -83,6 +84,7 @@ __all__ = [
     "MMFusionForPretraining",
     "MMFusionImageProcessor",
     "MMFusionModel",
+    "MMFusionOnnxModel",
     "MMFusionPreTrainedModel",
     "MMFusionProcessor",
     "MissingHeadError",
