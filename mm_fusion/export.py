@@ -215,7 +215,10 @@ def export_model(
             f"{model_dir} was saved as {getattr(config, 'architectures', None)}; ONNX export covers the heads "
             f"{', '.join(heads)}."
         )
-    model = heads[saved[0]].from_pretrained(model_dir).eval()
+    from .lora import has_adapter, merge_lora
+
+    # A LoRA run's directory (scripts/train.py --lora): its adapter folded into the weights it was trained on.
+    model = (merge_lora(model_dir) if has_adapter(model_dir) else heads[saved[0]].from_pretrained(model_dir)).eval()
     processor = AutoProcessor.from_pretrained(model_dir)
     size = processor.image_processor.size
     image_size = size["height"] if isinstance(size, dict) else int(size)
@@ -253,7 +256,30 @@ def export_model(
             "max_abs_difference": difference,
         }
     (out_dir / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2) + "\n")
+    card = out_dir / "README.md"
+    if card.is_file():
+        card.write_text(card.read_text().rstrip("\n") + "\n\n" + onnx_card_section(manifest))
     return manifest
+
+
+def onnx_card_section(manifest: dict) -> str:
+    """The section the exported directory's model card gains: its graphs and how to serve them."""
+    rows = "\n".join(
+        f"| `{g['file']}` | {', '.join(g['inputs'])} | {', '.join(g['outputs'])} | {g['max_abs_difference']:.1e} |"
+        for g in manifest["graphs"].values()
+    )
+    return (
+        "## ONNX\n\n"
+        "This directory holds the model exported to ONNX by `python -m mm_fusion.export` (dynamic batch and text "
+        f"length, {manifest['image_size']} px images as uint8), with the processor and `onnx_export.json`:\n\n"
+        "| graph | inputs | outputs | largest difference from PyTorch |\n|---|---|---|---|\n"
+        f"{rows}\n\n"
+        "```python\nfrom transformers import AutoProcessor, pipeline\nfrom mm_fusion import MMFusionOnnxModel\n\n"
+        'model = MMFusionOnnxModel.from_pretrained("path/to/this/directory")\n'
+        'processor = AutoProcessor.from_pretrained("path/to/this/directory")\n'
+        "```\n\nThen `pipeline(task, model=model, processor=processor)` for the pipelines above (onnxruntime: "
+        '`pip install "mm-fusion[onnx]"`).\n'
+    )
 
 
 def main(argv: list[str] | None = None) -> dict:

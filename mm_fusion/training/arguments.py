@@ -3,6 +3,7 @@ and / or a YAML / JSON config file."""
 
 import dataclasses
 import difflib
+import importlib.util
 import json
 import os
 import sys
@@ -118,6 +119,21 @@ class ModelArguments:
         default=None,
         metadata={"help": "Extra MMFusionConfig settings, as `key=value,key=value` (e.g. `projection_dim=64`)."},
     )
+    lora: bool = field(
+        default=False,
+        metadata={
+            "help": "Train LoRA adapters (peft, the [lora] extra) on --lora_parts and freeze the rest of the model it "
+            "starts from, but for the heads and a fusion block not in --lora_parts, which train fully. output_dir "
+            "holds that model with the adapter beside it (see mm_fusion/lora.py)."
+        },
+    )
+    lora_parts: str = field(
+        default="vision,text",
+        metadata={"help": "--lora: the parts given adapters, comma-separated: vision, text, fusion."},
+    )
+    lora_r: int = field(default=8, metadata={"help": "--lora: the adapters' rank."})
+    lora_alpha: int = field(default=16, metadata={"help": "--lora: the adapters' scale numerator (scale alpha / r)."})
+    lora_dropout: float = field(default=0.0, metadata={"help": "--lora: dropout on the adapters' input."})
 
     def __post_init__(self):
         if self.task not in TASKS:
@@ -132,6 +148,14 @@ class ModelArguments:
             raise ValueError(
                 f"--vision_widths must be positive integers, comma-separated; got {self.vision_widths!r}."
             )
+        if self.lora:
+            from ..lora import parse_parts
+
+            parse_parts(self.lora_parts)
+            if importlib.util.find_spec("peft") is None:
+                raise ValueError('--lora needs peft: pip install "mm-fusion[lora]" (or pip install peft).')
+            if self.lora_r < 1:
+                raise ValueError(f"--lora_r must be 1 or more, got {self.lora_r}.")
 
 
 @dataclass

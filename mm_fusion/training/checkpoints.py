@@ -170,6 +170,15 @@ def checkpoint_folder(trainer, trial=None) -> str:
     return folder
 
 
+def is_peft_model(model) -> bool:
+    """A LoRA run's model (`--lora`): its checkpoints hold the adapter only, which Trainer's own loader reads."""
+    try:
+        from peft import PeftModel
+    except ImportError:
+        return False
+    return isinstance(model, PeftModel)
+
+
 class ExactLoadingMixin:
     """
     Trainer mixin: exact weight loading on resume and for `load_best_model_at_end` ([`load_checkpoint_weights`]).
@@ -180,12 +189,16 @@ class ExactLoadingMixin:
     """
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
-        if self.is_fsdp_enabled or self.is_deepspeed_enabled:
+        if (
+            self.is_fsdp_enabled
+            or self.is_deepspeed_enabled
+            or is_peft_model(model if model is not None else self.model)
+        ):
             return super()._load_from_checkpoint(resume_from_checkpoint, model)
         load_checkpoint_weights(model if model is not None else self.model, resume_from_checkpoint)
 
     def _load_best_model(self):
-        if self.is_fsdp_enabled or self.is_deepspeed_enabled:
+        if self.is_fsdp_enabled or self.is_deepspeed_enabled or is_peft_model(self.model):
             return super()._load_best_model()
         load_checkpoint_weights(self.model, self.state.best_model_checkpoint)
 

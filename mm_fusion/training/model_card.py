@@ -113,14 +113,14 @@ def write_model_card(template_path: str | Path, output_dir: str | Path, context:
 TASK_DESCRIPTIONS = {
     "vqa": (
         "visual question answering",
-        "other",
+        None,
         "visual-question-answering",
         "image-text-classification",
         "classifier over the answers",
     ),
     "classify": (
         "image-text classification",
-        "other",
+        None,
         "other",
         "image-text-classification",
         "classifier over the classes",
@@ -273,6 +273,29 @@ def model_card_context(
         "repo_or_path": training_args.hub_model_id or training_args.output_dir,
         "auto_class": auto_class,
         "example_texts": example_texts(prepared.pairs, trainer.processing_class.tokenizer),
+        "lora": lora_summary(trainer.model, model_args, training_args.output_dir) if model_args.lora else None,
+    }
+
+
+def lora_summary(model, model_args, output_dir: str) -> dict:
+    """What the card says of a `--lora` run's adapter: its settings, what trained fully, the parameters trained and
+    the adapter file's size (written by `save_model`, before the card)."""
+    config = model.peft_config["default"]
+    adapter = Path(output_dir) / "adapter_model.safetensors"
+    names = list(config.modules_to_save or [])
+    trained = [f"`{name}`" for name in names if "." not in name]  # the heads
+    if any(name.endswith(".encoder") for name in names):
+        trained.insert(0, "the fusion block")
+    if any(".vision_model." in name for name in names):
+        trained.append("the vision tower's BatchNorm layers")
+    return {
+        "r": config.r,
+        "alpha": config.lora_alpha,
+        "parts": [p.strip() for p in model_args.lora_parts.split(",") if p.strip()],
+        "trained": trained,
+        "trainable_parameters": sum(p.numel() for p in model.parameters() if p.requires_grad),
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "adapter_mib": adapter.stat().st_size / 2**20 if adapter.is_file() else 0.0,
     }
 
 

@@ -34,7 +34,19 @@ def build_model_and_processor(
         tokenizer,
         max_length=data_args.max_length,
     )
+    if model_args.lora:
+        model = with_lora(model, model_args, training_args)
     return model, processor
+
+
+def with_lora(model, model_args: ModelArguments, training_args):
+    """`--lora`: the model the run starts from, saved in `output_dir` by the main process (the adapter is trained
+    against it, and is saved beside it), wrapped with LoRA adapters on `--lora_parts` ([`mm_fusion.lora.add_lora`])."""
+    from ..lora import add_lora
+
+    if training_args.process_index == 0:
+        model.save_pretrained(training_args.output_dir)
+    return add_lora(model, model_args.lora_parts, model_args.lora_r, model_args.lora_alpha, model_args.lora_dropout)
 
 
 def input_image_size(config: MMFusionConfig, requested: int | None) -> int:

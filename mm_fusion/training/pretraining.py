@@ -2,6 +2,8 @@
 
 import torch
 
+from .checkpoints import is_peft_model
+
 
 # The pretraining loss terms logged next to the loss (training) and `eval_loss` (evaluation).
 LOSS_COMPONENTS = ("itc_loss", "itm_loss")
@@ -33,7 +35,10 @@ class PretrainingLossMixin:
         return super().train(*args, **kwargs)
 
     def is_pretraining(self, model) -> bool:
-        return type(self.accelerator.unwrap_model(model)).__name__ == "MMFusionForPretraining"
+        model = self.accelerator.unwrap_model(model)
+        if is_peft_model(model):  # a LoRA run (--lora): the head is the wrapped model's
+            model = model.get_base_model()
+        return type(model).__name__ == "MMFusionForPretraining"
 
     def record_loss_terms(self, **terms) -> None:
         """Accumulate a micro-batch's loss terms, each already scaled as its share of the step's loss."""

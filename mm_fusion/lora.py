@@ -1,0 +1,186 @@
+"""
+LoRA adapters for MMFusion models, with peft (`pip install -e ".[lora]"`).
+
+`scripts/train.py --lora` trains low-rank adapters on the parts named in `--lora_parts` and keeps every other weight
+of the model it starts from frozen:
+
+- `vision`: a LoRA adapter on every `nn.Linear` and every ungrouped `nn.Conv2d` of the vision tower (its depthwise
+  convolutions stay frozen, and all of them in a MobileNet with `tf_padding`, whose forward reads attributes peft's
+  wrapper hides). Its BatchNorm layers train fully: their running statistics follow the new images (a few
+  numbers per channel), and in the frozen model they would drift unsaved.
+- `text`: a LoRA adapter on every `nn.Linear` of the text tower (BERT / MiniLM: `query`, `key`, `value`, `dense`).
+- `fusion`: a LoRA adapter on every `nn.Linear` of the fusion block (`q_proj`, `k_proj`, `v_proj`, `out_proj`, the
+  MLPs, the bridges).
+
+A tower left out of `--lora_parts` stays frozen. The fusion block left out of it trains fully, and so do the layers
+beside it (the contrastive `visual_projection` / `text_projection`, FiLM maps) and the heads (`classifier`,
+`itm_head`), which are new for a new task: peft's `modules_to_save`. The default, `vision,text`, adapts pretrained
+towers and trains the fusion block they are composed with, which starts from random weights (LoRA on a random matrix
+only moves it in a low-rank subspace). Pretraining's `logit_scale` is a lone parameter that peft cannot save, so it
+stays at its starting value.
+
+A run's `--output_dir` holds the model it started from (`config.json`, `model.safetensors`, the processor and code)
+and the adapter beside it (`adapter_config.json`, `adapter_model.safetensors`): `from_pretrained` and `pipeline(...)`
+load the two together (transformers' peft integration), and [`merge_lora`] folds the adapter into the weights
+(`python -m mm_fusion.lora MODEL_DIR OUT_DIR`).
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+from torch import nn
+
+
+LORA_PARTS = ("vision", "text", "fusion")
+TOWERS = {"vision": "vision_model", "text": "text_model", "fusion": "encoder"}
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+
+
+def parse_parts(parts: str | list[str]) -> list[str]:
+    """`"vision,text"` -> `["vision", "text"]`, each checked."""
+    names = [p.strip() for p in parts.split(",")] if isinstance(parts, str) else list(parts)
+    names = [p for p in names if p]
+    wrong = [p for p in names if p not in LORA_PARTS]
+    if wrong or not names:
+        raise ValueError(f"--lora_parts takes some of {', '.join(LORA_PARTS)}, comma-separated; got {parts!r}.")
+    return names
+
+
+# Layers beside the towers that run inside the vision tower's forward, through hooks that call their sublayers, not
+# through their own forward: peft's `modules_to_save` copy of one of them would never be called.
+CALLED_BY_HOOKS = ("vision_film", "vision_text_attention")
+
+
+def _weighted(module: nn.Module) -> bool:
+    return next(module.parameters(), None) is not None
+
+
+def _leaf_with_weights(module: nn.Module) -> bool:
+    return not list(module.children()) and next(module.parameters(False), None) is not None
+
+
+def _adaptable(module: nn.Module) -> bool:
+    """Layers LoRA can adapt: Linear, and convolutions without groups (peft's Conv2d LoRA is ungrouped)."""
+    return isinstance(module, nn.Linear) or (isinstance(module, nn.Conv2d) and module.groups == 1)
+
+
+def lora_config(model, parts: str | list[str] = "vision,text", r: int = 8, alpha: int = 16, dropout: float = 0.0):
+    """peft's `LoraConfig` for `model` (an MMFusion head): the layers of `parts` as `target_modules`, and what trains
+    fully (the heads, the fusion block unless adapted, the adapted towers' BatchNorm layers) as `modules_to_save`."""
+    from peft import LoraConfig
+
+    parts = parse_parts(parts)
+    prefix = model.base_model_prefix
+    body = getattr(model, prefix)
+    targets, trained = [], []
+    for part in parts:
+        tower = getattr(body, TOWERS[part], None)
+        if tower is None:
+            raise ValueError(f"--lora_parts {part}: this model has no {TOWERS[part]} to adapt.")
+        # transformers' MobileNet with TensorFlow padding reads each convolution's `stride` in its forward, which
+        # peft's LoRA wrapper of a Conv2d does not pass through: its convolutions stay frozen there.
+        convolutions = not getattr(getattr(tower, "config", None), "tf_padding", False)
+        for name, module in tower.named_modules():
+            full = f"{prefix}.{TOWERS[part]}.{name}"
+            if _adaptable(module) and (convolutions or not isinstance(module, nn.Conv2d)):
+                targets.append(full)
+            elif isinstance(module, nn.modules.batchnorm._BatchNorm):
+                trained.append(full)
+    # Everything else of the model with weights trains fully: the fusion block unless adapted, the layers beside it
+    # (the contrastive projections, FiLM maps...), and the heads.
+    adapted = {TOWERS[part] for part in parts} | {TOWERS["vision"], TOWERS["text"]}
+    for name, child in body.named_children():
+        if name in adapted or not _weighted(child):
+            continue
+        if name in CALLED_BY_HOOKS:  # peft's copy would not be what the hooks call: copy each layer of it instead
+            trained += [
+                f"{prefix}.{name}.{leaf}" for leaf, layer in child.named_modules() if _leaf_with_weights(layer)
+            ]
+            orphans = [n for n, m in child.named_modules() if list(m.children()) and next(m.parameters(False), None)]
+            if orphans:
+                raise ValueError(f"--lora: {prefix}.{name} holds weights outside its layers ({orphans}).")
+        else:
+            trained.append(f"{prefix}.{name}")
+    trained += [name for name, child in model.named_children() if name != prefix and _weighted(child)]
+    if not targets:
+        raise ValueError(f"--lora_parts {','.join(parts)}: no Linear or Conv2d layers to adapt there.")
+    return LoraConfig(
+        r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets, modules_to_save=trained, bias="none"
+    )
+
+
+def add_lora(model, parts: str | list[str] = "vision,text", r: int = 8, alpha: int = 16, dropout: float = 0.0):
+    """`model` wrapped in a peft `PeftModel` with LoRA adapters on `parts` ([`lora_config`]); only they, the heads and
+    what trains fully require grad."""
+    from peft import get_peft_model
+
+    return get_peft_model(model, lora_config(model, parts, r, alpha, dropout))
+
+
+def has_adapter(model_dir: str | Path) -> bool:
+    return all((Path(model_dir) / name).is_file() for name in ADAPTER_FILES)
+
+
+def starting_model(model_dir: str | Path):
+    """The model a LoRA run started from, as saved beside its adapter, without the adapter: `from_pretrained` on the
+    directory itself loads the two together (transformers' peft integration), so it reads the directory's other files
+    through links in a temporary one (keeping transformers' own key conversion of the saved weights)."""
+    import tempfile
+
+    from .configuration_mm_fusion import MMFusionConfig
+    from .modeling_mm_fusion import MMFusionForImageTextClassification, MMFusionForPretraining
+
+    model_dir = Path(model_dir).resolve()
+    config = MMFusionConfig.from_pretrained(model_dir)
+    heads = {cls.__name__: cls for cls in (MMFusionForImageTextClassification, MMFusionForPretraining)}
+    head = next((heads[a] for a in config.architectures or [] if a in heads), None)
+    if head is None:
+        raise ValueError(f"{model_dir}: config.json names no MMFusion head ({config.architectures}).")
+    with tempfile.TemporaryDirectory() as plain:
+        for item in model_dir.iterdir():
+            if item.is_file() and item.name not in ADAPTER_FILES:
+                (Path(plain) / item.name).symlink_to(item)
+        return head.from_pretrained(plain)
+
+
+def merge_lora(model_dir: str | Path):
+    """The model saved in `model_dir` with its LoRA adapter folded into the weights: a plain MMFusion model with the
+    adapted model's outputs, no peft needed to serve it."""
+    from peft import PeftModel
+
+    if not has_adapter(model_dir):
+        raise FileNotFoundError(f"{model_dir} has no LoRA adapter ({', '.join(ADAPTER_FILES)}).")
+    base = starting_model(model_dir).eval()
+    with torch.no_grad():
+        return PeftModel.from_pretrained(base, model_dir).merge_and_unload()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m mm_fusion.lora",
+        description="Fold a LoRA run's adapter (scripts/train.py --lora) into its model's weights and save the result "
+        "with its processor: a plain MMFusion model.",
+    )
+    parser.add_argument("model_dir", help="a directory scripts/train.py --lora saved")
+    parser.add_argument("out_dir", help="where to save the merged model")
+    args = parser.parse_args(argv)
+    try:
+        merged = merge_lora(args.model_dir)
+    except (FileNotFoundError, ValueError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    from transformers import AutoProcessor
+
+    merged.save_pretrained(args.out_dir)
+    AutoProcessor.from_pretrained(args.model_dir).save_pretrained(args.out_dir)
+    card = Path(args.model_dir) / "README.md"
+    if card.is_file():
+        (Path(args.out_dir) / "README.md").write_text(card.read_text())
+    print(f"merged model in {args.out_dir}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

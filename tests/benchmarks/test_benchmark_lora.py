@@ -1,0 +1,35 @@
+"""scripts/benchmarks/benchmark_lora.py: a tiny run of both recipes (a small MobileNetV2 from scratch, MiniLM), its
+table and JSON."""
+
+import json
+
+import pytest
+from transformers import MobileNetV2Model
+
+
+pytest.importorskip("peft")
+
+
+def test_tiny_run_compares_lora_with_full_fine_tuning(tmp_path, tester):
+    import benchmark_lora  # scripts/benchmarks is on sys.path (conftest.py)
+
+    tower = tmp_path / "mobilenet_v2"
+    MobileNetV2Model(tester.mobilenet_config(image_size=32, tf_padding=False)).save_pretrained(
+        tower
+    )  # as torchvision's
+    output = tmp_path / "lora"
+    argv = ["--vision_tower", str(tower), "--image_size", "32", "--max_steps", "2", "--eval_every", "1"]
+    benchmark_lora.main([*argv, "--eval_questions", "16", "--output", str(output)])
+    report = json.loads(output.with_suffix(".json").read_text())
+    trials = {t["recipe"]: t for t in report["trials"]}
+    assert set(trials) == {"full", "lora"} and report["runs_at_once"] == 2
+    full, lora = trials["full"], trials["lora"]
+    assert full["trainable_parameters"] == full["parameters"]
+    assert 0 < lora["trainable_parameters"] < full["trainable_parameters"] / 5
+    assert full["saved_file"] == "model.safetensors" and lora["saved_file"] == "adapter_model.safetensors"
+    assert 0 < lora["saved_mib"] < full["saved_mib"] / 5  # MiniLM's frozen weights are not in the adapter
+    for t in trials.values():
+        assert [e["step"] for e in t["curve"]] == [1, 2] and 0 <= t["best_accuracy"] <= 1
+        assert t["peak_memory_mib"] > 0 and t["train_s"] > 0 and ("--lora" in t["command"].split()) == (t is lora)
+    table = output.with_suffix(".md").read_text()
+    assert "| lora |" in table and "adapter_model.safetensors" in table
