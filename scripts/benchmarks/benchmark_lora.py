@@ -12,7 +12,7 @@ accuracy, the best accuracy, peak memory (RSS growth over the process's memory o
 process's peak), trainable parameters, and what the run saves beyond the model it started from (the adapter, or the
 whole model).
 
-    python scripts/benchmarks/benchmark_lora.py  # ~40 min on 2 cores (both recipes at once, one thread each)
+    python scripts/benchmarks/benchmark_lora.py  # ~27 min on 2 cores (both recipes at once, one thread each)
 
 Writes scripts/benchmarks/results/lora.{json,md} and prints the Markdown table.
 """
@@ -51,7 +51,7 @@ class LoraBenchmarkArguments:
     )
     text_tower: str | None = field(default=None, metadata={"help": "A text tower (default: all-MiniLM-L6-v2)."})
     image_size: int = field(default=64, metadata={"help": "Image size (easy-VQA's own)."})
-    max_steps: int = field(default=1200, metadata={"help": "Optimizer steps each schedule is set for (~2 epochs)."})
+    max_steps: int = field(default=1000, metadata={"help": "Optimizer steps each schedule is set for (1.7 epochs)."})
     eval_every: int = field(default=100, metadata={"help": "Optimizer steps between evaluations."})
     eval_questions: int = field(default=2000, metadata={"help": "The first N easy-VQA test questions evaluate."})
     target: float = field(default=0.95, metadata={"help": "The test accuracy at which a recipe stops."})
