@@ -18,6 +18,7 @@ Writes scripts/benchmarks/results/lora.{json,md} and prints the Markdown table.
 """
 
 import os
+import shlex
 import shutil
 import tempfile
 import time
@@ -61,8 +62,9 @@ class LoraBenchmarkArguments:
         default=True, metadata={"help": "Run the recipes at once, one thread each (else one after the other)."}
     )
     threads: int | None = field(default=None, metadata={"help": "torch threads per recipe (default: cores / runs)."})
-    lora_args: list[str] = field(
-        default_factory=lambda: ["--lora"], metadata={"help": "The lora recipe's flags (scripts/train.py's)."}
+    lora_args: str = field(
+        default="--lora",
+        metadata={"help": "The lora recipe's scripts/train.py flags, one string: --lora_args='--lora --lora_r 16'."},
     )
     output: str = field(default=str(RESULTS / "lora"), metadata={"help": "Writes OUTPUT.json and OUTPUT.md."})
 
@@ -80,7 +82,7 @@ def run_trial(payload: dict) -> dict:
     argv += ["--save_strategy", "no", "--report_to", "none", "--disable_tqdm", "True"]
     argv += ["--cpu_threads", str(payload["threads"])]
     if payload["recipe"] == "lora":
-        argv += payload["lora_args"]
+        argv += shlex.split(payload["lora_args"])
     trainer = setup_run(argv)
     clock = TrainingClock(payload["target"], payload["budget_s"], payload["eval_every"], began)
     trainer.add_callback(clock)

@@ -18,7 +18,8 @@ def test_tiny_run_compares_lora_with_full_fine_tuning(tmp_path, tester):
         tower
     )  # as torchvision's
     output = tmp_path / "lora"
-    argv = ["--vision_tower", str(tower), "--image_size", "32", "--max_steps", "2", "--eval_every", "1"]
+    argv = ["--vision_tower", str(tower), "--image_size", "32", "--max_steps", "2", "--eval_every", "1",
+            "--lora_args=--lora --lora_r 4"]  # fmt: skip
     benchmark_lora.main([*argv, "--eval_questions", "16", "--output", str(output)])
     report = json.loads(output.with_suffix(".json").read_text())
     trials = {t["recipe"]: t for t in report["trials"]}
@@ -26,7 +27,11 @@ def test_tiny_run_compares_lora_with_full_fine_tuning(tmp_path, tester):
     full, lora = trials["full"], trials["lora"]
     assert full["trainable_parameters"] == full["parameters"]
     assert 0 < lora["trainable_parameters"] < full["trainable_parameters"] / 5
-    assert full["saved_file"] == "model.safetensors" and lora["saved_file"] == "adapter_model.safetensors"
+    assert (
+        "--lora_r 4" in lora["command"]
+        and full["saved_file"] == "model.safetensors"
+        and lora["saved_file"] == "adapter_model.safetensors"
+    )
     assert 0 < lora["saved_mib"] < full["saved_mib"] / 5  # MiniLM's frozen weights are not in the adapter
     for t in trials.values():
         assert [e["step"] for e in t["curve"]] == [1, 2] and 0 <= t["best_accuracy"] <= 1
