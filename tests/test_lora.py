@@ -155,6 +155,8 @@ def test_card_names_the_adapter_and_its_commands_run(lora_run, tmp_path):
     assert f"`adapter_model.safetensors`, {size:.2f} MiB): rank 4" in card
     assert "the fusion block" not in card.split("## LoRA adapter")[1].split("\n\n")[1]  # adapted, not fully trained
     assert "`classifier`" in card and "BatchNorm" in card and f"python scripts/demo.py {out}" in card
+    trained = card.split("## LoRA adapter")[1].split("trained fully")[0]  # the layers beside the towers, by name
+    assert "`mm_fusion.vision_text_attention`" in trained and "`mm_fusion.encoder`" not in trained
     code = card.split("```python\n")[1].split("```")[0]
     images()[0].save(tmp_path / "image.png")
     done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=300)

@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from ..lora import parse_parts
+
 
 # The template of `model_cards/`, beside the package in a checkout (an editable install).
 MODEL_CARD_TEMPLATE = Path(__file__).resolve().parents[2] / "model_cards" / "mm_fusion_model_card.md.j2"
@@ -282,16 +284,20 @@ def lora_summary(model, model_args, output_dir: str) -> dict:
     the adapter file's size (written by `save_model`, before the card)."""
     config = model.peft_config["default"]
     adapter = Path(output_dir) / "adapter_model.safetensors"
-    names = list(config.modules_to_save or [])
-    trained = [f"`{name}`" for name in names if "." not in name]  # the heads
-    if any(name.endswith(".encoder") for name in names):
-        trained.insert(0, "the fusion block")
-    if any(".vision_model." in name for name in names):
+    trained, batch_norm = [], False
+    for name in config.modules_to_save or []:
+        if ".vision_model." in name:  # the adapted tower's BatchNorm layers
+            batch_norm = True
+            continue
+        shown = ".".join(name.split(".")[:2])  # a head, or a module beside the towers (its layers, one each)
+        if f"`{shown}`" not in trained:
+            trained.append(f"`{shown}`")
+    if batch_norm:
         trained.append("the vision tower's BatchNorm layers")
     return {
         "r": config.r,
         "alpha": config.lora_alpha,
-        "parts": [p.strip() for p in model_args.lora_parts.split(",") if p.strip()],
+        "parts": parse_parts(model_args.lora_parts),
         "trained": trained,
         "trainable_parameters": sum(p.numel() for p in model.parameters() if p.requires_grad),
         "parameters": sum(p.numel() for p in model.parameters()),
