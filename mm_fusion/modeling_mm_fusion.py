@@ -882,8 +882,9 @@ class MMFusionModel(MMFusionVisionEncoder, MMFusionPreTrainedModel):
         """
         Encode the images ([`encode_images`]) and the texts ([`encode_texts`]), each tower once; returns their outputs
         and the feature lists the fusion block reads. When the text conditions the vision tower (`config.vision_film`
-        / `vision_text_attention`), the text tower runs first and the vision tower then runs once per text, on its
-        image (`pixel_values[image_index]`), conditioned on it: the image features are then one per text.
+        / `vision_text_attention`), the text tower runs first and the vision tower then runs conditioned on each text,
+        on its image (`pixel_values[image_index]`; [`encode_images_per_text`]): the image features are then one per
+        text.
         """
         if not self.text_conditions_vision:
             vision_out, image_features = self.encode_images(pixel_values, output_attentions, output_hidden_states)
@@ -891,9 +892,14 @@ class MMFusionModel(MMFusionVisionEncoder, MMFusionPreTrainedModel):
             input_ids, attention_mask, token_type_ids, output_attentions, output_hidden_states
         )
         if self.text_conditions_vision:
-            pixel_values = pixel_values[image_index] if image_index is not None else pixel_values
-            with self.conditioned_on(text_out.last_hidden_state, attention_mask):
-                vision_out, image_features = self.encode_images(pixel_values, output_attentions, output_hidden_states)
+            vision_out, image_features = self.encode_images_per_text(
+                pixel_values,
+                text_out.last_hidden_state,
+                attention_mask,
+                image_index,
+                output_attentions,
+                output_hidden_states,
+            )
         return vision_out, text_out, image_features, text_features
 
     def encode_texts(

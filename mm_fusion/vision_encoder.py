@@ -105,14 +105,51 @@ class MMFusionVisionEncoder:
         runs once per pair, and an image has no features without a text."""
         return self.vision_film is not None or self.vision_text_attention is not None
 
-    def conditioned_on(self, text_hidden: torch.Tensor, attention_mask: torch.Tensor | None):
-        """A context in which the vision tower runs conditioned on these texts (one image per text); no condition
-        when the model has none."""
+    def conditioned_on(
+        self, text_hidden: torch.Tensor, attention_mask: torch.Tensor | None, image_index: torch.Tensor | None = None
+    ):
+        """A context in which the vision tower runs conditioned on these texts: on one image per text, or, with
+        `image_index` (each text's image), on the distinct images, whose stem and first stage then run once per image
+        and the conditioned stages once per text. No condition when the model has none."""
         if self.vision_film is not None:
-            return self.vision_film.conditioned(pool(text_hidden, attention_mask, self.config.pooling_mode))
+            text = pool(text_hidden, attention_mask, self.config.pooling_mode)
+            return self.vision_film.conditioned(text, image_index)
         if self.vision_text_attention is not None:
-            return self.vision_text_attention.conditioned(text_hidden, attention_mask)
+            return self.vision_text_attention.conditioned(text_hidden, attention_mask, image_index)
         return contextlib.nullcontext()
+
+    def encode_images_per_text(
+        self,
+        pixel_values: torch.Tensor,
+        text_hidden: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        image_index: torch.Tensor | None = None,
+        output_attentions: bool = False,
+        output_hidden_states: bool = False,
+    ) -> tuple[ModelOutput, list[torch.Tensor]]:
+        """
+        [`encode_images`] for a tower conditioned on each text (`vision_film` / `vision_text_attention`): the image
+        features are one per text. What runs before the first conditioned stage (the stem and the first stage) does
+        not depend on the text, so when texts share images (`image_index`, fewer images than texts: an image-grouped
+        batch) it runs once per distinct image and its output is expanded to the texts; the stem's maps in the
+        output (hidden states, a feature map read from the stem) are expanded the same way.
+        """
+        shared = image_index is not None and len(pixel_values) < len(image_index)
+        if image_index is not None and not shared:
+            pixel_values = pixel_values[image_index]  # no image is repeated: nothing to share
+        with self.conditioned_on(text_hidden, attention_mask, image_index if shared else None):
+            vision_out, image_features = self.encode_images(pixel_values, output_attentions, output_hidden_states)
+        if not shared:
+            return vision_out, image_features
+
+        def per_text(value):  # a tower output made before the expansion has one row per image
+            if isinstance(value, torch.Tensor) and value.dim() > 0 and len(value) == len(pixel_values):
+                return value[image_index]
+            return tuple(per_text(v) for v in value) if isinstance(value, tuple) else value
+
+        for key, value in vision_out.items():
+            vision_out[key] = per_text(value)
+        return vision_out, [per_text(f) for f in image_features]
 
     def normalize_pixels(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """
@@ -158,6 +195,9 @@ class MMFusionVisionEncoder:
                 return vision_out, bridge_features(vision_out, self.config.vision_bridge_layers)
             return vision_out, [sequence(vision_out.last_hidden_state)]
         kwargs = {"output_attentions": output_attentions} if self._vision_takes_attentions else {}
+        # Channels-last maps: convolutions and BatchNorm run faster on them (oneDNN on CPUs, tensor cores on GPUs), and
+        # a stage's cells flatten to (batch, cells, channels) rows without a copy for the reads and the tokens.
+        pixel_values = pixel_values.contiguous(memory_format=torch.channels_last)
         # A backbone returns the maps of its `out_indices` (the stages read); another model all its hidden states.
         vision_out = self.vision_model(
             pixel_values=pixel_values,

@@ -346,16 +346,18 @@ class MMFusionVisionFiLM(nn.Module):
         super().__init__()
         self.maps = nn.ModuleList(MMFusionFiLMLinear(text_width, 2 * c) for c in channels)
         self._condition: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self._image_index: torch.Tensor | None = None
         for index, stage in enumerate(stages):
             stage.register_forward_hook(_StageHook(self, index))
 
-    def conditioned(self, text: torch.Tensor) -> "_Conditioned":
-        """A context in which the tower's stages are modulated by `text`, `(batch, text_width)` (one row per image)."""
+    def conditioned(self, text: torch.Tensor, image_index: torch.Tensor | None = None) -> "_Conditioned":
+        """A context in which the tower's stages are modulated by `text`, `(batch, text_width)`: one row per image,
+        or, with `image_index` (each text's image), the stem runs once per image and the stages once per text."""
         modulation = []
         for layer in self.maps:
             scale, shift = layer(text)[:, :, None, None].chunk(2, dim=1)
             modulation.append((scale, shift))
-        return _Conditioned(self, modulation)
+        return _Conditioned(self, modulation, image_index)
 
     def condition_stage(self, index: int, hidden: torch.Tensor) -> torch.Tensor:
         scale, shift = self._condition[index]
@@ -373,19 +375,32 @@ class _StageHook:
         if self.owner._condition is None:  # the tower run without a text (not through `conditioned`)
             return output
         hidden = output[0] if isinstance(output, tuple) else output
+        if self.index == 0 and self.owner._image_index is not None:
+            # Everything up to here (the stem and this stage) saw no text: it ran once per distinct image, and its
+            # output now becomes one row per text, which the stages from here on condition on their own text.
+            hidden = hidden[self.owner._image_index]
         hidden = self.owner.condition_stage(self.index, hidden)
         return (hidden, *output[1:]) if isinstance(output, tuple) else hidden
 
 
 class _Conditioned:
-    def __init__(self, owner: nn.Module, condition: list):
-        self.owner, self.condition = owner, condition
+    """The context of `conditioned`: the tower's stage hooks read `condition` (and `image_index`) while it is open."""
+
+    def __init__(self, owner: nn.Module, condition, image_index: torch.Tensor | None = None):
+        self.owner, self.condition, self.image_index = owner, condition, image_index
 
     def __enter__(self):
-        self.owner._condition = self.condition
+        self.owner._condition, self.owner._image_index = self.condition, self.image_index
 
     def __exit__(self, *exc):
-        self.owner._condition = None
+        self.owner._condition = self.owner._image_index = None
+
+
+# A stage's read of a short text is computed token-major, its softmax over the tokens with the cells innermost: a
+# softmax over a last dimension of ~12 runs row by row on a CPU (about 20x slower than over a middle one), and so does
+# SDPA's kernel at such shapes. Longer texts go through SDPA, which does not hold the whole (tokens x cells) attention
+# in memory: on a 2-core CPU the two cross near 20 tokens (scripts/benchmarks/results/profile_training_step.md).
+TOKEN_MAJOR_MAX_TOKENS = 16
 
 
 class MMFusionStageRead(nn.Module):
@@ -408,19 +423,35 @@ class MMFusionStageRead(nn.Module):
     def _heads(self, x: torch.Tensor) -> torch.Tensor:
         return x.unflatten(-1, (self.num_heads, -1)).transpose(1, 2)
 
+    def _attention(
+        self, hidden: torch.Tensor, text: torch.Tensor, mask: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The attention each cell reads the text with, laid out token-major, `(batch, heads, tokens, height *
+        width)`, and the values, `(batch, heads, tokens, head_dim)`."""
+        query, key, value = self._projections(hidden, text)
+        scores = (key * query.shape[-1] ** -0.5) @ query.transpose(-1, -2)  # (batch, heads, tokens, height * width)
+        if mask is not None:
+            scores = scores.masked_fill(~mask.transpose(-1, -2), float("-inf"))  # mask: (batch, 1, 1, tokens)
+        return scores.softmax(2), value
+
+    def _projections(self, hidden: torch.Tensor, text: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Queries `(batch, heads, height * width, head_dim)` from the cells, keys and values `(batch, heads, tokens,
+        head_dim)` from the text."""
+        cells = self.norm(hidden.flatten(2).transpose(1, 2))  # (batch, height * width, channels)
+        return self._heads(self.query(cells)), self._heads(self.key(text)), self._heads(self.value(text))
+
     def probabilities(self, hidden: torch.Tensor, text: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         """The attention each cell reads the text with, `(batch, heads, height * width, tokens)`."""
-        query = self._heads(self.query(self.norm(hidden.flatten(2).transpose(1, 2))))
-        scores = (query @ self._heads(self.key(text)).transpose(-1, -2)).float() / query.shape[-1] ** 0.5
-        if mask is not None:
-            scores = scores.masked_fill(~mask, float("-inf"))
-        return scores.softmax(-1)
+        return self._attention(hidden, text, mask)[0].float().transpose(-1, -2)
 
     def forward(self, hidden: torch.Tensor, text: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         batch, channels, height, width = hidden.shape
-        cells = self.norm(hidden.flatten(2).transpose(1, 2))  # (batch, height * width, channels)
-        query, key, value = self._heads(self.query(cells)), self._heads(self.key(text)), self._heads(self.value(text))
-        read = nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask)
+        if text.shape[1] <= TOKEN_MAJOR_MAX_TOKENS:
+            attention, value = self._attention(hidden, text, mask)
+            read = attention.transpose(-1, -2) @ value  # (batch, heads, height * width, head_dim)
+        else:
+            query, key, value = self._projections(hidden, text)
+            read = nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask)
         read = self.output(read.transpose(1, 2).flatten(2))  # (batch, height * width, channels)
         return hidden + read.transpose(1, 2).reshape(batch, channels, height, width)
 
@@ -438,16 +469,20 @@ class MMFusionVisionCrossAttention(nn.Module):
         super().__init__()
         self.reads = nn.ModuleList(MMFusionStageRead(c, text_width, num_heads) for c in channels)
         self._condition: tuple[torch.Tensor, torch.Tensor | None] | None = None
+        self._image_index: torch.Tensor | None = None
         # Set to a list to record each stage's read probabilities and grid (image_maps' "tower_attention" maps).
         self.recorded: list[tuple[torch.Tensor, tuple[int, int]]] | None = None
         for index, stage in enumerate(stages):
             stage.register_forward_hook(_StageHook(self, index))
 
-    def conditioned(self, text: torch.Tensor, attention_mask: torch.Tensor | None = None) -> _Conditioned:
-        """A context in which the tower's stages read `text`, `(batch, tokens, text_width)` (one row per image),
-        whose padding `attention_mask` marks with 0."""
+    def conditioned(
+        self, text: torch.Tensor, attention_mask: torch.Tensor | None = None, image_index: torch.Tensor | None = None
+    ) -> _Conditioned:
+        """A context in which the tower's stages read `text`, `(batch, tokens, text_width)`, whose padding
+        `attention_mask` marks with 0: one row per image, or, with `image_index` (each text's image), the stem runs
+        once per image and the stages once per text."""
         mask = None if attention_mask is None else attention_mask[:, None, None, :].bool()
-        return _Conditioned(self, (text, mask))
+        return _Conditioned(self, (text, mask), image_index)
 
     def condition_stage(self, index: int, hidden: torch.Tensor) -> torch.Tensor:
         text, mask = self._condition

@@ -163,3 +163,63 @@ def test_train_py_gives_a_conv_tower_with_cross_attention_its_reads():
         assert chosen(config(**kwargs)) == earlier, kwargs
     pretrained = ModelArguments(text_model_name_or_path="some/bert")  # read by build_model, not here
     assert chosen(build_config(pretrained, 64, 50, 16, ["yes", "no"])) == earlier
+
+
+@pytest.mark.parametrize("tower,conditioning", [("resnet", "text_attention"), ("mobilenet", "film")])
+def test_stem_runs_once_per_image_when_texts_share_images(tester, tower, conditioning):
+    """Three texts about two images: the stem and the first stage (which see no text) run on the two images, the
+    stages after them on the three texts; outputs, every hidden state and the gradients equal those of the tower run
+    once per text on a copy of its image."""
+    vision = tester.resnet_config() if tower == "resnet" else tester.mobilenet_config()
+    key = "vision_text_attention" if conditioning == "text_attention" else "vision_film"
+    model = MMFusionForImageTextClassification(tester.config("hierarchical", vision_config=vision, **{key: True}))
+    model.eval()  # BatchNorm from running statistics: a batch of two images normalises as one of three would
+    for p in model.mm_fusion.parameters():  # FiLM maps start at zero: make every conditioning count
+        p.data.add_(0.05 * torch.randn_like(p))
+    inputs = tester.inputs()
+    index = torch.tensor([1, 1, 0])
+    shared_inputs = {**inputs, "pixel_values": inputs["pixel_values"][:2], "image_index": index}
+    paired_inputs = {**inputs, "pixel_values": inputs["pixel_values"][index]}
+    stem = next(m for m in model.mm_fusion.vision_model.modules() if isinstance(m, torch.nn.Conv2d))
+    rows = []
+    handle = stem.register_forward_hook(lambda module, args, output: rows.append(len(output)))
+    labels = torch.tensor([0, 1, 2])
+    shared = model(**shared_inputs, labels=labels, output_hidden_states=True)
+    shared.loss.backward()
+    shared_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    paired = model(**paired_inputs, labels=labels, output_hidden_states=True)
+    paired.loss.backward()
+    handle.remove()
+    assert rows == [2, 3]  # the stem's first convolution: once per image, then (unshared) once per text
+    torch.testing.assert_close(shared.logits, paired.logits)
+    assert [h.shape for h in shared.vision_hidden_states] == [h.shape for h in paired.vision_hidden_states]
+    for a, b in zip(shared.vision_hidden_states, paired.vision_hidden_states):
+        torch.testing.assert_close(a, b)
+    assert shared_grads.keys() == {n for n, p in model.named_parameters() if p.grad is not None}
+    for name, p in model.named_parameters():
+        if p.grad is not None:
+            torch.testing.assert_close(shared_grads[name], p.grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize("tokens", [5, 40])  # token-major below TOKEN_MAJOR_MAX_TOKENS, SDPA above
+def test_stage_read_equals_attention_written_out(tokens):
+    """Both ways a stage's read is computed equal softmax(q k^T / sqrt(d)) v over the unmasked tokens, written out
+    here cell by cell's row, and `probabilities` is that softmax."""
+    torch.manual_seed(0)
+    read = MMFusionStageRead(channels=6, text_width=8, num_heads=2)
+    hidden = torch.randn(3, 6, 4, 5).contiguous(memory_format=torch.channels_last)
+    text = torch.randn(3, tokens, 8)
+    keep = torch.ones(3, tokens, dtype=torch.bool)
+    keep[1, tokens // 2 :] = False
+    mask = keep[:, None, None, :]
+    cells = read.norm(hidden.flatten(2).transpose(1, 2))
+    q, k, v = (layer(x).unflatten(-1, (2, 4)).transpose(1, 2) for layer, x in
+               ((read.query, cells), (read.key, text), (read.value, text)))  # fmt: skip
+    scores = (q @ k.transpose(-1, -2) / 2.0).masked_fill(~mask, float("-inf"))
+    probabilities = scores.softmax(-1)  # (batch, heads, cells, tokens)
+    expected = hidden + read.output((probabilities @ v).transpose(1, 2).flatten(2)).transpose(1, 2).reshape(3, 6, 4, 5)
+    with torch.no_grad():
+        torch.testing.assert_close(read(hidden, text, mask), expected.detach(), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(read.probabilities(hidden, text, mask), probabilities, atol=1e-6, rtol=1e-5)
+    assert float(probabilities[1, :, :, tokens // 2 :].abs().max()) == 0.0
