@@ -396,13 +396,6 @@ class _Conditioned:
         self.owner._condition = self.owner._image_index = None
 
 
-# A stage's read of a short text is computed token-major, its softmax over the tokens with the cells innermost: a
-# softmax over a last dimension of ~12 runs row by row on a CPU (about 20x slower than over a middle one), and so does
-# SDPA's kernel at such shapes. Longer texts go through SDPA, which does not hold the whole (tokens x cells) attention
-# in memory: on a 2-core CPU the two cross near 20 tokens (scripts/benchmarks/results/profile_training_step.md).
-TOKEN_MAJOR_MAX_TOKENS = 16
-
-
 class MMFusionStageRead(nn.Module):
     """
     One stage's read of the text: the stage's cells (LayerNorm over channels, then a query each) attend over the
@@ -423,36 +416,69 @@ class MMFusionStageRead(nn.Module):
     def _heads(self, x: torch.Tensor) -> torch.Tensor:
         return x.unflatten(-1, (self.num_heads, -1)).transpose(1, 2)
 
-    def _attention(
-        self, hidden: torch.Tensor, text: torch.Tensor, mask: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The attention each cell reads the text with, laid out token-major, `(batch, heads, tokens, height *
-        width)`, and the values, `(batch, heads, tokens, head_dim)`."""
-        query, key, value = self._projections(hidden, text)
-        scores = (key * query.shape[-1] ** -0.5) @ query.transpose(-1, -2)  # (batch, heads, tokens, height * width)
-        if mask is not None:
-            scores = scores.masked_fill(~mask.transpose(-1, -2), float("-inf"))  # mask: (batch, 1, 1, tokens)
-        return scores.softmax(2), value
+    def _factored_pays(self, cells: int, channels: int, tokens: int) -> bool:
+        """
+        Whether [`_factored`] is the faster way to this read: when it needs at most 3/4 of the multiply-adds of the
+        projected attention (a query and an output projection per cell, through SDPA). Where the two cross was
+        measured on a 2-core CPU (scripts/benchmarks/results/profile_training_step.md, "the reads").
+        """
+        width = self.query.out_features
+        projected = 2 * cells * width * (channels + tokens)
+        factored = 2 * tokens * width * channels + 2 * cells * channels * self.num_heads * tokens
+        return 4 * factored <= 3 * projected
 
-    def _projections(self, hidden: torch.Tensor, text: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Queries `(batch, heads, height * width, head_dim)` from the cells, keys and values `(batch, heads, tokens,
-        head_dim)` from the text."""
-        cells = self.norm(hidden.flatten(2).transpose(1, 2))  # (batch, height * width, channels)
-        return self._heads(self.query(cells)), self._heads(self.key(text)), self._heads(self.value(text))
+    def _factored(
+        self, cells: torch.Tensor, text: torch.Tensor, mask: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """
+        The read with the projections moved to the text's side. A cell's score for token t in head h is
+        `(W_q cell + b_q)_h . k_th / sqrt(d) = cell . (W_q,h^T k_th) / sqrt(d) + b_q,h . k_th / sqrt(d)`, and what it
+        reads, projected out, is `sum_t a_th W_o,h v_th`: so each (head, token) gets a key and a value in the cells'
+        own channels, computed once per text, and the cells need two batched products, no per-cell projection. The
+        softmax runs over the tokens with the cells innermost (over a last dimension of ~12 tokens a CPU runs it row
+        by row, about 20x slower). Returns the attention `(batch, heads * tokens, cells)` and the values `(batch, heads
+        * tokens, channels)`, from `cells` `(batch, cells, channels)` (normed).
+        """
+        batch, length, channels = cells.shape
+        heads, tokens = self.num_heads, text.shape[1]
+        key = self.key(text).unflatten(-1, (heads, -1))  # (batch, tokens, heads, head_dim)
+        key = key * key.shape[-1] ** -0.5
+        query_weight = self.query.weight.unflatten(0, (heads, -1))  # (heads, head_dim, channels)
+        keys = torch.einsum("bthj,hjc->bhtc", key, query_weight).reshape(batch, heads * tokens, channels)
+        bias = torch.einsum("bthj,hj->bht", key, self.query.bias.unflatten(0, (heads, -1)))  # (batch, heads, tokens)
+        if mask is not None:
+            bias = bias.masked_fill(~mask.view(batch, 1, tokens), float("-inf"))  # mask: (batch, 1, 1, tokens)
+        scores = torch.baddbmm(bias.reshape(batch, heads * tokens, 1), keys, cells.transpose(1, 2))
+        attention = scores.unflatten(1, (heads, tokens)).softmax(2).flatten(1, 2)  # (batch, heads * tokens, cells)
+        value = self.value(text).unflatten(-1, (heads, -1))  # (batch, tokens, heads, head_dim)
+        output_weight = self.output.weight.unflatten(1, (heads, -1))  # (channels, heads, head_dim)
+        values = torch.einsum("bthj,chj->bhtc", value, output_weight).reshape(batch, heads * tokens, channels)
+        return attention, values
+
+    def _cells(self, hidden: torch.Tensor) -> torch.Tensor:
+        """`(batch, channels, height, width)` to normed cells `(batch, height * width, channels)` (no copy for a
+        channels-last map)."""
+        return self.norm(hidden.flatten(2).transpose(1, 2))
 
     def probabilities(self, hidden: torch.Tensor, text: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         """The attention each cell reads the text with, `(batch, heads, height * width, tokens)`."""
-        return self._attention(hidden, text, mask)[0].float().transpose(-1, -2)
+        attention = self._factored(self._cells(hidden), text, mask)[0]
+        return attention.unflatten(1, (self.num_heads, -1)).float().transpose(-1, -2)
 
     def forward(self, hidden: torch.Tensor, text: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         batch, channels, height, width = hidden.shape
-        if text.shape[1] <= TOKEN_MAJOR_MAX_TOKENS:
-            attention, value = self._attention(hidden, text, mask)
-            read = attention.transpose(-1, -2) @ value  # (batch, heads, height * width, head_dim)
+        cells = self._cells(hidden)  # (batch, height * width, channels)
+        if self._factored_pays(height * width, channels, text.shape[1]):
+            attention, values = self._factored(cells, text, mask)
+            read = torch.baddbmm(self.output.bias, attention.transpose(1, 2), values)  # (batch, cells, channels)
         else:
-            query, key, value = self._projections(hidden, text)
+            query, key, value = (
+                self._heads(self.query(cells)),
+                self._heads(self.key(text)),
+                self._heads(self.value(text)),
+            )
             read = nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask)
-        read = self.output(read.transpose(1, 2).flatten(2))  # (batch, height * width, channels)
+            read = self.output(read.transpose(1, 2).flatten(2))  # (batch, height * width, channels)
         return hidden + read.transpose(1, 2).reshape(batch, channels, height, width)
 
 
