@@ -16,7 +16,9 @@ Ratios are measured in one run on one machine, with the same model size and data
 Here: the seed pipeline (`seed_loader`, `seed_split_loader`, `SeedFusionLayer`, `SeedStyleModel`, `seed_model`), the
 run_clip pipeline (`run_clip_loader`, `TruncateTo`, `run_clip_dataset`, `run_clip_arguments`), and what the
 contenders share: the recipe (`recipe`, read from mm_fusion's argument defaults), the model's config
-(`build_fusion_config`), the towers' shapes (`tower_shapes`) and the easy-VQA questions (`easy_vqa_splits`).
+(`build_fusion_config`), the towers' shapes (`tower_shapes`), the model `scripts/train.py` builds by default
+(`default_model`: benchmark_time_to_accuracy.py runs the seed loop and run_clip on it instead of the seed-style model)
+and the easy-VQA questions (`easy_vqa_splits`).
 
 This module is imported by the benchmark scripts (they run from this folder and import it by name); it has no command.
 """
@@ -90,12 +92,28 @@ def tower_shapes(config) -> dict:
     }
 
 
-def easy_vqa_splits(eval_questions: int):
-    """easy-VQA's training questions, and its first `eval_questions` test questions."""
+def default_model(tokenizer, labels: list[str], image_size: int, max_length: int, seed: int):
+    """The model `scripts/train.py` builds with no arguments (`mm_fusion.training.build_model` of `ModelArguments()`,
+    whatever its defaults are today), for this tokenizer, labels, image size and texts of up to `max_length` tokens
+    (its BERT's positions), drawn from `seed` as there."""
+    from transformers import set_seed
+
+    from mm_fusion.training import ModelArguments, build_model
+
+    set_seed(seed)
+    model = build_model(ModelArguments(), tokenizer, labels, image_size, max_length)
+    model.config.problem_type = "single_label_classification"  # as build_model_and_processor sets it for class ids
+    return model
+
+
+def easy_vqa_splits(eval_questions: int, train_questions: int | None = None):
+    """easy-VQA's training questions (the first `train_questions`, default all), and its first `eval_questions` test
+    questions."""
     from mm_fusion.data import load_easy_vqa
 
     data = load_easy_vqa(["train", "test"])
-    return data["train"], data["test"].select(range(eval_questions))
+    train = data["train"] if train_questions is None else data["train"].select(range(train_questions))
+    return train, data["test"].select(range(eval_questions))
 
 
 # --------------------------------------------------------------------------------------------------------------------

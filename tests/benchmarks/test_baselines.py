@@ -1,4 +1,5 @@
-"""scripts/benchmarks/baselines.py: the recipe the contenders share, the seed-style model, and no command."""
+"""scripts/benchmarks/baselines.py: the recipe and default model the contenders share, the seed-style model, and no
+command."""
 
 import dataclasses
 import subprocess
@@ -51,3 +52,23 @@ def test_seed_model_ignores_padding(baselines):
     assert logits.shape == (2, 5) and torch.isfinite(loss)
     other_padding = input_ids.masked_fill(attention_mask == 0, 11)  # other ids under the mask: same logits
     torch.testing.assert_close(model(pixel_values, other_padding, attention_mask)[1], logits)
+
+
+def test_default_model_is_the_one_train_py_builds(baselines):
+    from mm_fusion import MMFusionForImageTextClassification, train_tokenizer
+    from mm_fusion.training import ModelArguments, build_config
+    from mm_fusion.training.models import conv_fusion_defaults
+
+    tokenizer = train_tokenizer(["what color is the circle?", "is there a triangle?"], vocab_size=100)
+    labels = ["yes", "no", "red"]
+    model = baselines.default_model(tokenizer, labels, 64, 64, seed=0)
+    assert type(model) is MMFusionForImageTextClassification
+    expected = build_config(ModelArguments(), 64, len(tokenizer), 64, labels).to_dict()
+    assert model.config.to_dict() == {**expected, "problem_type": "single_label_classification"}
+    for name, value in conv_fusion_defaults(ModelArguments(), {}).items():  # scripts/train.py's, none overridden
+        assert getattr(model.config, name) == value
+    # Longer texts (the seed pipeline's 512 tokens): more BERT positions, the rest alike.
+    longer = baselines.default_model(tokenizer, labels, 64, baselines.SEED_MAX_LENGTH, seed=0).config.to_dict()
+    assert longer["text_config"].pop("max_position_embeddings") == baselines.SEED_MAX_LENGTH
+    expected["text_config"].pop("max_position_embeddings")
+    assert longer == {**expected, "problem_type": "single_label_classification"}

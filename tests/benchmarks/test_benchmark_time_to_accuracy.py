@@ -1,6 +1,8 @@
-"""scripts/benchmarks/benchmark_time_to_accuracy.py: its clock, its stops and its report (the trials themselves are
-the training-step benchmark's contenders)."""
+"""scripts/benchmarks/benchmark_time_to_accuracy.py: its clock, its stops, its verdict, its default schedule, and a
+tiny run of all three contenders end to end (each training scripts/train.py's default model)."""
 
+import json
+import math
 import time
 from types import SimpleNamespace
 
@@ -50,65 +52,101 @@ def test_clock_never_unsets_trainers_stop(bench):
     assert control.should_training_stop is True
 
 
-def test_report_compares_each_accuracy_with_the_faster_baseline_that_reached_it(bench):
-    def trial(name, curve):
-        curve = [{"step": s, "train_s": t, "accuracy": a} for s, t, a in curve]
-        return {"contender": name, "parameters": 1000, "startup_s": 1.0, "train_s": curve[-1]["train_s"],
-                "budget_s": 60.0, "torch_threads": 2, "best_accuracy": max(e["accuracy"] for e in curve),
-                "curve": curve}  # fmt: skip
+def trial(name: str, curve: list[tuple]) -> dict:
+    """A trial's result with this curve of (step, seconds of training, accuracy)."""
+    curve = [{"step": s, "train_s": t, "accuracy": a} for s, t, a in curve]
+    return {"contender": name, "model": "MMFusionForImageTextClassification", "parameters": 1000,
+            "text_positions": 512 if name == "seed" else 64, "config_digest": "x", "startup_s": 1.0,
+            "train_s": curve[-1]["train_s"], "budget_s": 60.0, "torch_threads": 2,
+            "best_accuracy": max(e["accuracy"] for e in curve), "curve": curve}  # fmt: skip
 
+
+def test_verdict_compares_each_accuracy_with_the_faster_baseline_that_reached_it(bench):
     trials = [
         trial("seed", [(1, 50.0, 0.65)]),
-        trial("run_clip", [(1, 10.0, 0.62), (2, 20.0, 0.75)]),
-        trial("mm_fusion", [(1, 2.0, 0.61), (2, 4.0, 0.66), (3, 8.0, 0.76)]),
+        trial("run_clip", [(1, 10.0, 0.62), (2, 20.0, 0.75), (3, 30.0, 0.9)]),
+        trial("mm_fusion", [(1, 2.0, 0.61), (2, 4.0, 0.66), (3, 8.0, 0.76), (4, 9.0, 0.9), (5, 10.0, 0.95)]),
     ]
-    args = SimpleNamespace(report_at=[0.6, 0.7], target=0.75, eval_questions=100, image_size=64, max_steps=10,
-                           eval_every=1)  # fmt: skip
-    info = {"cores": 2, "cpu": "cpu", "torch": "x"}
-    text, ratios = bench.markdown(trials, args, info, {"batch_size": 64})
-    assert [(r["accuracy"], r["faster_baseline"], r["ratio"]) for r in ratios] == [
-        (0.6, "run_clip", 0.2),
-        (0.7, "run_clip", 0.4),
-        (0.75, "run_clip", 0.4),
+    args = SimpleNamespace(report_at=[0.6, 0.7], judged_at=[0.75, 0.9, 0.95, 0.99], target=0.99, eval_questions=100,
+                           image_size=64, max_steps=10, eval_every=1)  # fmt: skip
+    verdict = bench.compare(trials, bench.accuracies(args), args.judged_at)
+    rows = [(r["accuracy"], r["judged"], r["faster_baseline"], r["ratio"], r["pass"]) for r in verdict["rows"]]
+    assert rows == [
+        (0.6, False, "run_clip", 0.2, True),  # seed reached it later (50 s)
+        (0.7, False, "run_clip", 0.4, False),  # over 1/3, but not judged
+        (0.75, True, "run_clip", 0.4, False),
+        (0.9, True, "run_clip", 0.3, True),
+        (0.95, True, None, None, None),  # mm_fusion only: nothing to compare with
     ]
-    assert [r["pass"] for r in ratios] == [True, False, False]
-    assert "| seed | 1,000 | 1 s | 50 s (1) | – | – |" in text
+    assert verdict["not_reached"] == [0.99] and verdict["pass"] is False  # 0.75 is judged and over 1/3
+    text = bench.markdown(trials, args, {"cores": 2, "cpu": "cpu", "torch": "x"}, {"batch_size": 64, "max_length": 64},
+                          verdict)  # fmt: skip
+    assert "| seed | 1,000 | 512 | 1 s | 50 s (1) | – | – | – | – | – |" in text
+    assert "| 0.75 | yes | 8 s | run_clip 20 s | 0.40 | FAIL |" in text
+    assert "| 0.95 | yes | 10 s | none reached it | – | – |" in text
+    assert "Reached by no contender: 0.99." in text and "Verdict: FAIL." in text
+    assert "scripts/train.py's default model" in text and "Each contender trains the same nn.Module" in text
 
-    # A baseline reaches an accuracy that mm_fusion does not reach within its budget: a failed row, not a missing one.
+    # Only the unjudged accuracies over 1/3: a pass.
+    verdict = bench.compare(trials, bench.accuracies(args), [0.9, 0.95, 0.99])
+    assert verdict["pass"] is True
+
+    # A baseline reaches an accuracy that mm_fusion does not reach within its budget: a FAIL row, not a missing one,
+    # judged or not.
     trials[2] = trial("mm_fusion", [(1, 2.0, 0.61), (2, 4.0, 0.66)])
-    text, ratios = bench.markdown(trials, args, info, {"batch_size": 64})
-    assert [(r["accuracy"], r["ratio"], r["pass"]) for r in ratios] == [
+    verdict = bench.compare(trials, bench.accuracies(args), [0.9])
+    assert [(r["accuracy"], r["ratio"], r["pass"]) for r in verdict["rows"]] == [
         (0.6, 0.2, True),
         (0.7, None, False),
         (0.75, None, False),
+        (0.9, None, False),
     ]
-    assert "| 0.7 | run_clip | not reached | FAIL |" in text
+    assert verdict["not_reached"] == [0.95, 0.99] and verdict["pass"] is False
+    text = bench.markdown(trials, args, {"cores": 2, "cpu": "cpu", "torch": "x"}, {"batch_size": 64, "max_length": 64},
+                          verdict)  # fmt: skip
+    assert "| 0.7 | no | not reached | run_clip 20 s | – | FAIL |" in text
+    assert "Reached by no contender: 0.95, 0.99." in text
+
+    # Without the baselines there is nothing to judge.
+    assert bench.compare(trials[2:], bench.accuracies(args), [0.9]) == {"rows": [], "not_reached": [], "pass": None}
 
 
-def test_every_contender_trains_the_default_model_at_about_its_size(bench):
-    """The seed loop fuses the default ResNet tower's last map with nn.MultiheadAttention; run_clip and mm_fusion
-    train the default model without its stages' reads of the question (`SAME_MODEL`): all three within 2% of its
-    parameters."""
-    import torch
-    from baselines import SEED_MAX_LENGTH, build_fusion_config, seed_model
+def test_default_schedule_is_the_default_runs_length(bench):
+    from mm_fusion.training import MMFusionTrainingArguments
 
-    from mm_fusion import MMFusionForImageTextClassification
+    default = MMFusionTrainingArguments.__dataclass_fields__
+    epochs, batch = default["num_train_epochs"].default, default["per_device_train_batch_size"].default
+    assert bench.default_run_steps() == math.ceil(epochs * math.ceil(38_575 / batch))  # easy-VQA's training questions
+    (args,) = bench.HfArgumentParser(bench.TimeToAccuracyArguments).parse_args_into_dataclasses(args=[])
+    assert args.max_steps is None and args.target == 0.99 and args.judged_at == [0.9, 0.95, 0.99]
+
+
+def test_tiny_run_trains_the_same_default_model_in_every_contender(bench, tmp_path):
+    from baselines import SEED_MAX_LENGTH, recipe
+
     from mm_fusion.training import ModelArguments
 
-    assert bench.default_tower() == ModelArguments().vision_tower == "resnet"
-    labels = [str(i) for i in range(13)]
-    same = (bench.default_tower(), bench.SAME_MODEL)
-    ours = MMFusionForImageTextClassification(build_fusion_config(64, 500, 64, labels, None, *same))
-    assert not ours.config.vision_text_attention
-    seed = seed_model(build_fusion_config(64, 500, SEED_MAX_LENGTH, labels, None, *same))
-    # The same ResNet: as a backbone in mm_fusion's model, as the plain model (its last map) in the seed loop.
-    assert (type(ours.mm_fusion.vision_model).__name__, type(seed.vision_model).__name__) == (
-        "ResNetBackbone",
-        "ResNetModel",
-    )
-    sizes = [sum(p.numel() for p in m.parameters()) for m in (ours, seed)]
-    assert abs(sizes[0] - sizes[1]) / sizes[0] < 0.02, sizes
-    loss, logits = seed(
-        torch.zeros(2, 3, 64, 64), torch.ones(2, 5, dtype=torch.long), torch.ones(2, 5), torch.ones(2).long()
-    )
-    assert logits.shape == (2, 13) and loss.isfinite()
+    output = tmp_path / "time_to_accuracy"
+    argv = ["--max_steps", "2", "--eval_every", "1", "--eval_questions", "16", "--train_questions", "128",
+            "--image_size", "32", "--output", str(output)]  # fmt: skip
+    report = bench.main(argv)
+    assert json.loads(output.with_suffix(".json").read_text())["trials"] == report["trials"]
+    trials = {t["contender"]: t for t in report["trials"]}
+    assert list(trials) == ["seed", "run_clip", "mm_fusion"]
+    for t in trials.values():
+        assert [e["step"] for e in t["curve"]] == [1, 2] and all(0 <= e["accuracy"] <= 1 for e in t["curve"])
+        assert t["train_s"] > 0 and t["startup_s"] > 0
+    # One class and one config; the parameters differ by the seed BERT's extra position embeddings only.
+    assert {t["model"] for t in trials.values()} == {"MMFusionForImageTextClassification"}
+    assert len({t["config_digest"] for t in trials.values()}) == 1
+    length = recipe()["max_length"]  # scripts/train.py's --max_length, which run_clip pads to
+    positions = {n: t["text_positions"] for n, t in trials.items()}
+    assert positions == {"seed": SEED_MAX_LENGTH, "run_clip": length, "mm_fusion": length}
+    assert trials["run_clip"]["parameters"] == trials["mm_fusion"]["parameters"]
+    extra = (SEED_MAX_LENGTH - length) * ModelArguments().hidden_size
+    assert trials["seed"]["parameters"] - trials["mm_fusion"]["parameters"] == extra
+    text = output.with_suffix(".md").read_text()
+    assert "scripts/train.py's default model (MMFusionForImageTextClassification" in text
+    assert "Each contender trains the same nn.Module, one config but for the text positions: the seed" in text
+    assert "schedules set for 2 steps," in text
+    assert report["verdict"]["rows"] or report["verdict"]["not_reached"]
