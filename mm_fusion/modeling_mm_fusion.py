@@ -698,7 +698,8 @@ class MMFusionPreTrainedModel(PreTrainedModel):
           parameter count times tokens: the bare model's forward FLOPs per image, per pair and per text token are
           measured once per image shape ([`_flop_rates`]), and the heads add 2 x their parameters per pair. With a
           tower conditioned on each text (`vision_text_attention`, `vision_film`) the stem and first stage count once
-          per distinct image and the rest of the tower, with the stages' reads of the text, once per text.
+          per distinct image and the rest of the tower, with the stages' reads of the text, once per text. The
+          pretraining head's second fusion pass (image-text matching with hard negatives) is not counted.
         """
         pixel_values, input_ids = input_dict.get("pixel_values"), input_dict.get("input_ids")
         if pixel_values is None or input_ids is None:
@@ -725,7 +726,8 @@ class MMFusionPreTrainedModel(PreTrainedModel):
         model with a backbone / convolutional tower: the bare model's, counted by `FlopCounterMode` (convolutions,
         matrix products, attention) on a copy built on the meta device (no memory, no compute) for 1 image with 1
         text of 1 token, 2 texts of 1 token and 1 text of 2 tokens, plus 2 x the heads' parameters per pair. Cached
-        per shape. Linear in the text length: the texts' self-attention, quadratic in it, is a few % at most.
+        per shape. Linear in the text length: the texts' self-attention (quadratic in it) and the stage reads' way of
+        computing (chosen by it) put the default model within 4% of a count at the real length, up to 64 tokens.
         """
         rates = self.__dict__.setdefault("_flop_rates_by_shape", {})
         if image_shape not in rates:

@@ -1,8 +1,10 @@
-"""The batch-size ramp (`--batch_size_ramp_max`): its plan, its batches and learning rates in a training run."""
+"""The batch-size ramp (`--batch_size_ramp_max`): its plan, its batches and learning rates in a training run; and
+`--auto_find_batch_size`: the batch the ranks agree on, and the memory probe that finds it."""
 
 from collections import Counter
 
 import pytest
+import torch
 from helpers.training import TINY
 
 from mm_fusion.training import setup_run
@@ -99,3 +101,23 @@ def test_auto_batch_size_resumes_with_the_batch_it_agreed_on(tmp_path):
     resumed.train(resume_from_checkpoint=resumed.args.resume_from_checkpoint)
     assert (resumed.args.per_device_train_batch_size, resumed.args.gradient_accumulation_steps) == (4, 4)
     assert resumed.state.global_step == 4
+
+
+@pytest.mark.parametrize("bf16, optim", [(True, "adamw_torch_fused"), (False, "sgd")])
+def test_auto_batch_size_probe_runs_as_training_does(tmp_path, monkeypatch, bf16, optim):
+    """The memory probe runs before accelerate wraps the model's forward in autocast, yet its activations have the
+    run's precision (bfloat16 under --bf16, CPU autocast here; float32 without), and it holds AdamW's two moments per
+    trained parameter (none for SGD, whose state it does not know)."""
+    argv = ["--output_dir", str(tmp_path / "out"), "--max_train_samples", "16", *TINY, "--bf16", str(bf16),
+            "--optim", optim, "--auto_find_batch_size", "True", "--eval_strategy", "no"]  # fmt: skip
+    trainer = setup_run(argv)
+    trained = {id(p) for p in trainer.model.parameters() if p.requires_grad}
+    held, empty_like = [], torch.empty_like
+    monkeypatch.setattr(torch, "empty_like", lambda x, **kw: held.append(id(x) in trained) or empty_like(x, **kw))
+    dtypes = []
+    for module in trainer.model.modules():
+        if isinstance(module, torch.nn.Linear):
+            module.register_forward_hook(lambda module, args, output: dtypes.append(output.dtype))
+    assert trainer.try_batch_size(4)
+    assert dtypes and set(dtypes) == {torch.bfloat16 if bf16 else torch.float32}
+    assert held.count(True) == (2 * len(trained) if optim == "adamw_torch_fused" else 0)

@@ -494,6 +494,60 @@ def test_flops_count_images_and_texts(tester):
     assert model.floating_point_ops(inputs, exclude_embeddings=False) == with_embeddings + grown
 
 
+def test_flops_of_a_transformer_tower_are_6_x_parameters_x_tokens(tester):
+    """A ViT tower's count: 6 x the parameters of each part x the tokens it runs over, as it always was."""
+    from mm_fusion import MMFusionForImageTextClassification
+
+    model = MMFusionForImageTextClassification(tester.config())
+    inputs = tester.inputs()
+    vision = model.mm_fusion.vision_model.num_parameters(exclude_embeddings=True)
+    text = model.mm_fusion.text_model.num_parameters(exclude_embeddings=True)
+    rest = model.num_parameters(exclude_embeddings=True) - vision - text
+    pairs, patches, tokens = 3, (30 // 2) ** 2 + 1, int(inputs["attention_mask"].sum())  # 3 images of 15 x 15 patches
+    expected = 6 * (vision * pairs * patches + text * tokens + rest * (tokens + pairs * patches))
+    assert model.floating_point_ops(inputs) == expected
+
+
+@pytest.mark.parametrize("tower", ["default", "convnext", "resnet", "mobilenet_reads"])
+def test_flops_of_a_convolutional_tower_match_a_count_of_its_training_step(tester, tower):
+    """A backbone / convolutional tower applies its weights at every position of its feature maps: the count is within
+    10% of torch's own count of a forward and backward. `default`: scripts/train.py's model, whose stages read the
+    question (stem and first stage once per image, the rest once per question); `convnext`: the same with
+    `--vision_tower convnext`; `resnet`: a tiny tower run once per image, bidirectional fusion; `mobilenet_reads`: a
+    tower without a backbone class whose 16 stages read the text."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from mm_fusion import MMFusionForImageTextClassification
+    from mm_fusion.training import ModelArguments, build_config
+
+    size = 30
+    if tower in ("default", "convnext"):
+        size = 64
+        model_args = ModelArguments(vision_tower="resnet" if tower == "default" else tower)
+        config = build_config(model_args, size, tester.vocab_size, 64, [str(i) for i in range(13)])
+    elif tower == "resnet":
+        config = tester.config(vision_config=tester.resnet_config())
+    else:
+        config = tester.config(vision_config=tester.mobilenet_config(), vision_text_attention=True)
+    model = MMFusionForImageTextClassification(config)
+    g = torch.Generator().manual_seed(0)
+    inputs = {
+        "pixel_values": torch.randint(0, 256, (3, 3, size, size), dtype=torch.uint8, generator=g),
+        "input_ids": torch.randint(1, tester.vocab_size, (6, 12), generator=g),
+        "attention_mask": (torch.arange(12) < torch.tensor([12, 10, 9, 12, 11, 8])[:, None]).long(),
+        "image_index": torch.tensor([0, 0, 1, 1, 2, 2]),  # image-grouped: two questions an image
+        "labels": torch.tensor([0, 1, 2, 3, 4, 0]),
+    }
+    with FlopCounterMode(display=False) as forward:
+        loss = model(**inputs).loss
+    with FlopCounterMode(display=False) as backward:
+        loss.backward()
+    forward, backward = forward.get_total_flops(), backward.get_total_flops()
+    if tower in ("convnext", "mobilenet_reads"):  # torch 2.15 counts a depthwise conv's backward `groups` times over
+        backward = 2 * forward
+    assert model.floating_point_ops(inputs) == pytest.approx(forward + backward, rel=0.1)
+
+
 SCRIPTS = sorted(
     str(p.relative_to(ROOT / "scripts"))
     for folder in ("", "benchmarks", "research")

@@ -13,6 +13,9 @@ from .checkpoints import checkpoint_folder
 # Written into each checkpoint of an `--auto_find_batch_size` run: the per-device batch and accumulation the ranks
 # agreed on, which a resumed run takes as they are.
 AUTO_BATCH_FILE = "auto_batch_size.json"
+# `--optim` values whose state is two tensors the size of each trained parameter (AdamW's moments), which the memory
+# probe holds while it measures.
+ADAM_OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "adamw_torch_xla", "adamw_torch_npu_fused")
 
 logger = logging.get_logger(__name__)
 
@@ -41,8 +44,14 @@ class AgreedBatchSizeMixin:
         return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
 
     def try_batch_size(self, batch_size: int) -> bool:
-        """Whether a training step (forward and backward, no optimizer step) on `batch_size` pairs of the training
-        data fits in this process's memory; the model's gradients and the RNG states are left as they were."""
+        """
+        Whether a training step on `batch_size` pairs of the training data fits in this process's memory: forward
+        and backward as training runs them, under its mixed precision (accelerate's autocast, which `prepare` adds
+        to the model's forward only when training starts) and with the optimizer's state held: two copies of each
+        trained parameter for torch's AdamW (`ADAM_OPTIMIZERS`, Trainer's default; the state of another `--optim` is
+        not held, so leave room for it). No optimizer step: the model's gradients and the RNG states are left as they
+        were.
+        """
         from accelerate.utils.memory import release_memory, should_reduce_batch_size
 
         rows = [self.train_dataset[i % len(self.train_dataset)] for i in range(batch_size)]
@@ -51,10 +60,15 @@ class AgreedBatchSizeMixin:
         accelerator_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
         if not hasattr(self, "current_gradient_accumulation_steps"):
             self.current_gradient_accumulation_steps = 1  # read by compute_loss; Trainer sets it in its loop
+        copies = 2 if self.args.optim in ADAM_OPTIMIZERS else 0  # exp_avg and exp_avg_sq
+        optimizer_state = []
         try:
+            trained = [p for p in self.model.parameters() if p.requires_grad]
+            optimizer_state.extend(torch.empty_like(p) for p in trained for _ in range(copies))
             self.model.train()
             with local_only():  # the other ranks are measuring too: no collective (the contrastive gather)
-                loss = self.compute_loss(self.model, inputs)
+                with self.accelerator.autocast(), self.compute_loss_context_manager():  # as training_step's forward
+                    loss = self.compute_loss(self.model, inputs)
                 loss.backward()
             return True
         except Exception as err:
@@ -64,6 +78,7 @@ class AgreedBatchSizeMixin:
         finally:
             self.model.zero_grad(set_to_none=True)
             inputs = loss = None
+            optimizer_state.clear()
             release_memory()
             torch.set_rng_state(cpu_rng)
             if accelerator_rng is not None:

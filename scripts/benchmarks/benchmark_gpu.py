@@ -18,8 +18,8 @@ model, each trial in a fresh process (its own CUDA context and peak memory):
 
 The figures are those the training monitor (`MMFusionMonitorCallback`, added to the stock Trainer too) logs every
 `--log_every` optimizer steps: samples/s, the data-wait fraction, MFU (on a GPU whose peak FLOP/s it knows, against the
-dense bf16 peak, from the model's own FLOP count, which counts a convolutional tower's weights once per 16 px patch
-rather than per feature-map position: the ResNet's MFU is an underestimate) and peak memory (the CUDA allocator's
+dense bf16 peak, from the model's own FLOP count: `floating_point_ops`, which counts a convolutional tower at each
+convolution's output size, within 10% of torch's FlopCounterMode) and peak memory (the CUDA allocator's
 peak; on a CPU the process's peak RSS). The first `--warmup_steps` steps are left out; the timed windows give median
 (min–max).
 
@@ -348,7 +348,7 @@ def markdown(rows: list[dict], ratios: list[dict], args: GpuBenchmarkArguments, 
         f"from {args.probe_batch_size}). Figures from the training monitor's logs every {args.log_every} steps "
         "(`MMFusionMonitorCallback`), median (min–max) over the timed windows: samples/s, data-wait fraction, MFU "
         "(against the GPU's dense bf16 peak, '-' where none is known; from the model's FLOP count, which "
-        f"underestimates a convolutional tower's), peak memory ({memory}). mm_fusion: `setup_run` with the shipped "
+        f"`floating_point_ops`), peak memory ({memory}). mm_fusion: `setup_run` with the shipped "
         f"loader defaults ({settings['loader_workers']} loader workers here); run_clip: "
         "`baselines.py`'s data path and the stock Trainer with the same workers, bf16 on a GPU.",
         "",
