@@ -347,7 +347,7 @@ def markdown(rows: list[dict], ratios: list[dict], args: GpuBenchmarkArguments, 
         f"optimizer steps (the probe's trial: {args.auto_steps // 2} + {args.auto_steps // 2} at the batch it picks, "
         f"from {args.probe_batch_size}). Figures from the training monitor's logs every {args.log_every} steps "
         "(`MMFusionMonitorCallback`), median (min–max) over the timed windows: samples/s, data-wait fraction, MFU "
-        "(against the GPU's dense bf16 peak, '-' where none is known; from the model's FLOP count, which "
+        "(against the GPU's dense bf16 peak, '-' where none is known; from the model's FLOP count, "
         f"`floating_point_ops`), peak memory ({memory}). mm_fusion: `setup_run` with the shipped "
         f"loader defaults ({settings['loader_workers']} loader workers here); run_clip: "
         "`baselines.py`'s data path and the stock Trainer with the same workers, bf16 on a GPU.",
