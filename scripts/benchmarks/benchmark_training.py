@@ -10,16 +10,23 @@ scripts/benchmarks/README.md.
     python scripts/benchmarks/benchmark_training.py --runs default --seeds 0,1,2,3,4
     python scripts/benchmarks/benchmark_training.py --runs full --seeds 0,1,2
     python scripts/benchmarks/benchmark_training.py --runs short,late,image_only,text_only --seeds 0   # ablations
+    python scripts/benchmarks/benchmark_training.py --runs default,default@41766e4 --seeds 0   # against older code
+
+A run named `RECIPE@COMMIT` is the recipe's command on the code of that commit (a git worktree of it, first on the
+`PYTHONPATH`), so that a change is timed against the code before it in the same session, interleaved.
 
 Writes scripts/benchmarks/results/benchmark_training.{md,json} (merged with the runs already there: a recipe's runs
 of other seeds on the same machine stay in its row) and prints the table.
 """
 
+import contextlib
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -77,13 +84,38 @@ class BenchmarkArguments:
     results: str = field(default=str(RESULTS / "benchmark_training"), metadata={"help": "Path stem of md/json."})
 
 
-def run_one(name: str, seed: int, output_dir: Path) -> dict:
+def recipe_and_commit(name: str) -> tuple[str, str | None]:
+    """`RECIPE@COMMIT` as (RECIPE, COMMIT); a plain recipe name with no commit."""
+    recipe, _, commit = name.partition("@")
+    return recipe, commit or None
+
+
+@contextlib.contextmanager
+def checkouts(commits: set[str]):
+    """A detached git worktree of each commit, removed afterwards: {commit: its directory}."""
+    work = Path(tempfile.mkdtemp(prefix="mm_fusion_code_at_"))
+    trees = {}
+    try:
+        for commit in sorted(commits):
+            trees[commit] = work / commit
+            git = ["git", "-C", str(ROOT), "worktree", "add", "--detach", str(trees[commit]), commit]
+            subprocess.run(git, check=True, capture_output=True, text=True)
+        yield trees
+    finally:
+        for tree in trees.values():
+            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)], capture_output=True)
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def run_one(name: str, seed: int, output_dir: Path, code: Path | None = None) -> dict:
+    """One run of a recipe, as a user launches it; `code`: the checkout of another commit to run it from."""
+    recipe, commit = recipe_and_commit(name)
     # The README's command; a config file comes first, the flags after it override it.
     command = [
         str(Path(sys.executable).with_name("accelerate")),
         "launch",
         "scripts/train.py",
-        *RUNS[name],
+        *RUNS[recipe],
         "--seed",
         str(seed),
         "--output_dir",
@@ -94,7 +126,9 @@ def run_one(name: str, seed: int, output_dir: Path) -> dict:
     print("$", " ".join(command), flush=True)
     start = time.perf_counter()
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}  # as in a new user's shell
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, env=env)
+    if code is not None:  # that commit's mm_fusion before the installed one
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(code), env.get("PYTHONPATH")]))
+    done = subprocess.run(command, cwd=code or ROOT, capture_output=True, text=True, env=env)
     wall = time.perf_counter() - start
     if done.returncode != 0:
         raise RuntimeError(f"{name} failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
@@ -105,7 +139,7 @@ def run_one(name: str, seed: int, output_dir: Path) -> dict:
     return {
         "run": name,
         "seed": seed,
-        "description": DESCRIPTIONS[name],
+        "description": DESCRIPTIONS[recipe] if commit is None else f"the same command on the code of commit {commit}",
         "command": "accelerate launch " + " ".join(command[2:]),
         "test_accuracy": results["eval_accuracy"],
         "wall_seconds": wall,
@@ -175,7 +209,7 @@ def table(rows: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> list[dict]:
     (args,) = HfArgumentParser(BenchmarkArguments).parse_args_into_dataclasses(args=argv)
     names = [n.strip() for n in args.runs.split(",") if n.strip()]
-    unknown = [n for n in names if n not in RUNS]
+    unknown = [n for n in names if recipe_and_commit(n)[0] not in RUNS]
     if unknown:
         raise ValueError(f"Unknown runs {unknown}; choose from {list(RUNS)}.")
     seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
@@ -193,12 +227,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
         ]
         for name in names
     }
-    for seed in seeds:
-        for name in names:  # interleaved: A B A B ...
-            done[name].append(run_one(name, seed, ROOT / args.output_root / f"{name}-seed{seed}"))
-            rows[name] = {**combine(name, done[name]), "machine": hardware}
-            print(table([rows[name]]), flush=True)
-    ordered = [rows[n] for n in RUNS if n in rows]
+    with checkouts({c for n in names if (c := recipe_and_commit(n)[1])}) as trees:
+        for seed in seeds:
+            for name in names:  # interleaved: A B A B ...
+                code = trees.get(recipe_and_commit(name)[1])
+                output_dir = (ROOT / args.output_root / f"{name}-seed{seed}").resolve()
+                done[name].append(run_one(name, seed, output_dir, code))
+                rows[name] = {**combine(name, done[name]), "machine": hardware}
+                print(table([rows[name]]), flush=True)
+    order = list(RUNS)
+    ordered = sorted(rows.values(), key=lambda r: (order.index(recipe_and_commit(r["run"])[0]), r["run"]))
     described = f"{hardware['cpu']}, {hardware['cores']} cores, torch {hardware['torch']}, " + (
         hardware["gpu"] or "no GPU"
     )

@@ -70,7 +70,9 @@ def test_more_seeds_join_a_row_of_the_same_machine_and_replace_the_seeds_run_aga
     monkeypatch.setitem(bench.DESCRIPTIONS, "tiny", "d")
     monkeypatch.setitem(bench.RUNS, "tiny", [])
     accuracy = {0: 0.9, 1: 0.8, 2: 0.7}
-    monkeypatch.setattr(bench, "run_one", lambda name, seed, out: {**run(seed, accuracy[seed], 60, 100), "run": name})
+    monkeypatch.setattr(
+        bench, "run_one", lambda name, seed, out, code=None: {**run(seed, accuracy[seed], 60, 100), "run": name}
+    )
     argv = ["--runs", "tiny", "--output_root", str(tmp_path / "runs"), "--results", str(tmp_path / "results")]
     bench.main([*argv, "--seeds", "0,1"])
     accuracy[1] = 0.85  # seed 1 again: its new run replaces the old one
@@ -84,3 +86,29 @@ def test_more_seeds_join_a_row_of_the_same_machine_and_replace_the_seeds_run_aga
     bench.main([*argv, "--seeds", "2"])
     (row,) = json.loads((tmp_path / "results.json").read_text())["runs"]
     assert row["seeds"] == [2] and row["machine"]["cpu"] == "another"
+
+
+BEFORE_ISSUE_52 = "41766e4"  # a commit whose stage reads were never factored (MMFusionStageRead._factored_pays)
+
+
+def test_a_recipe_at_a_commit_runs_that_commits_code(tmp_path, monkeypatch):
+    """`RECIPE@COMMIT` runs the same command from a worktree of that commit, whose mm_fusion is the one imported:
+    the code saved with its model is that commit's."""
+    import subprocess
+
+    known = subprocess.run(["git", "-C", str(bench.ROOT), "cat-file", "-e", f"{BEFORE_ISSUE_52}^{{commit}}"])
+    if known.returncode != 0:
+        pytest.skip(f"commit {BEFORE_ISSUE_52} is not in this clone's history")
+    flags = ["--dataset", "sort_of_clevr", "--dataset_options", "num_train_images=24,num_test_images=8,seed=5"]
+    monkeypatch.setitem(bench.RUNS, "tiny", [*flags, *TINY, "--max_steps", "2"])
+    monkeypatch.setitem(bench.DESCRIPTIONS, "tiny", "a tiny Sort-of-CLEVR run")
+    old = f"tiny@{BEFORE_ISSUE_52}"
+    argv = ["--runs", f"tiny,{old}", "--seeds", "3", "--output_root", str(tmp_path / "runs"), "--results",
+            str(tmp_path / "results")]  # fmt: skip
+    ordered = bench.main(argv)
+    assert [r["run"] for r in ordered] == ["tiny", old]
+    assert ordered[1]["description"] == f"the same command on the code of commit {BEFORE_ISSUE_52}"
+    saved_code = {run: (tmp_path / "runs" / f"{run}-seed3" / "vision_towers.py").read_text() for run in ("tiny", old)}
+    assert "_factored_pays" in saved_code["tiny"] and "_factored_pays" not in saved_code[old]
+    listed = subprocess.run(["git", "-C", str(bench.ROOT), "worktree", "list"], capture_output=True, text=True)
+    assert "mm_fusion_code_at_" not in listed.stdout  # the worktree is gone
