@@ -704,18 +704,20 @@ class MMFusionPreTrainedModel(PreTrainedModel):
         pixel_values, input_ids = input_dict.get("pixel_values"), input_dict.get("input_ids")
         if pixel_values is None or input_ids is None:
             return super().floating_point_ops(input_dict, exclude_embeddings)
-        vision, text, rest = self._flop_parameter_counts(exclude_embeddings)
         mask = input_dict.get("attention_mask")
         tokens = int(mask.sum()) if mask is not None else input_ids.numel()
         pairs = input_ids.shape[0]
         config = self.config
         conditioned = config.vision_film or config.vision_text_attention
-        if config.vision_tower_type != "transformer":
+        if config.vision_tower_type != "transformer":  # no walk over the parameters: Trainer asks every step
             per_image, per_pair, per_token = self._flop_rates(tuple(pixel_values.shape[1:]))
             # A conditioned tower runs on the distinct images only when texts share them (`image_index`).
             images = min(len(pixel_values), pairs) if conditioned else len(pixel_values)
-            embeddings = 0 if exclude_embeddings else text - self._flop_parameter_counts(True)[1]
+            embeddings = 0
+            if not exclude_embeddings:
+                embeddings = self._flop_parameter_counts(False)[1] - self._flop_parameter_counts(True)[1]
             return 3 * (per_image * images + per_pair * pairs + per_token * tokens) + 6 * embeddings * tokens
+        vision, text, rest = self._flop_parameter_counts(exclude_embeddings)
         patches = (pixel_values.shape[-1] // getattr(config.vision_config, "patch_size", 16)) ** 2 + 1
         images = pairs if conditioned else pixel_values.shape[0]  # a tower conditioned on the text: one per text
         return 6 * (vision * images * patches + text * tokens + rest * (tokens + pairs * patches))

@@ -264,9 +264,7 @@ def model_card_context(
         "lr_scheduler": str(training_args.lr_scheduler_type).split(".")[-1].lower(),
         "weight_decay": training_args.weight_decay,
         "precision": precision,
-        "batching": (
-            "grouped by image" if training_args.group_by_image else str(training_args.train_sampling_strategy)
-        ),
+        "batching": batching(training_args),
         "hardware": f"{hardware()}, {training_args.world_size} process(es)",
         "train_runtime": train.get("train_runtime", 0.0),
         "train_loss": train.get("train_loss"),
@@ -385,3 +383,13 @@ def describe_vision_tower(config, image_size: int) -> str:
         + ("; every stage FiLM-conditioned on the text" if config.vision_film else "")
         + ("; every stage's cells read the text by cross-attention" if config.vision_text_attention else "")
     )
+
+
+def batching(training_args) -> str:
+    """How the training pairs were ordered into batches, in words."""
+    if not training_args.group_by_image:
+        return str(training_args.train_sampling_strategy)
+    size = training_args.image_group_size
+    if size == 1:
+        return "random order (an image's pairs never in a row)"
+    return f"grouped by image ({'all' if size == 0 else f'at most {size}'} pairs of an image in a row)"

@@ -10,8 +10,8 @@ model, batches and optimizer of `scripts/train.py` with no arguments (`mm_fusion
    drift falls on all alike: `before`; `+share` (the stem and first stage once per distinct image of the batch);
    `+channels_last`; `+factored_read` (a stage's read factored through the text's side where that pays) =
    `shipped`; and apart,
-   `bf16` (the shipped step under CPU autocast) and `compile` (`torch.compile` of the shipped model, its compile time
-   reported).
+   `bf16` (the shipped step under CPU autocast), `compile` (`torch.compile` of the shipped model, its compile time
+   reported) and `one_thread` (the shipped step on one torch thread instead of the machine's cores).
 3. **The reads** alone at each stage's shape (batch 64): factored against projected (SDPA), for texts of 8 to 64
    tokens (where `MMFusionStageRead._factored_pays` draws the line).
 4. **Evaluation's share**: one evaluation over the test questions against the training epochs around it.
@@ -43,7 +43,7 @@ LADDER = {  # the levers each variant has on, cumulatively
     "+channels_last": ("share", "channels_last"),
     "shipped": LEVERS,
 }
-EXTRA = ("bf16", "compile")
+EXTRA = ("bf16", "compile", "one_thread")
 
 
 @dataclass
@@ -208,11 +208,17 @@ def run_step(module, optimizer, batch: dict, variant: str) -> None:
     on = LADDER.get(variant, LEVERS)
     autocast = torch.autocast("cpu", dtype=torch.bfloat16) if variant == "bf16" else contextlib.nullcontext()
     model = getattr(module, "_orig_mod", module)
-    with levers(model, on), autocast:
-        loss = module(**batch_for(batch, on)).loss
-    loss.backward()
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    threads = torch.get_num_threads()
+    if variant == "one_thread":
+        torch.set_num_threads(1)
+    try:
+        with levers(model, on), autocast:
+            loss = module(**batch_for(batch, on)).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def read_benchmark(token_counts: list[int], repeats: int) -> list[dict]:
