@@ -468,7 +468,9 @@ class MMFusionStageRead(nn.Module):
     def forward(self, hidden: torch.Tensor, text: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         batch, channels, height, width = hidden.shape
         cells = self._cells(hidden)  # (batch, height * width, channels)
-        if self._factored_pays(height * width, channels, text.shape[1]):
+        # An exported graph serves every text length, so it takes one way for all (the projected one): a choice by the
+        # length would be a guard on the graph's dynamic sequence dimension.
+        if not torch.compiler.is_exporting() and self._factored_pays(height * width, channels, text.shape[1]):
             attention, values = self._factored(cells, text, mask)
             read = torch.baddbmm(self.output.bias, attention.transpose(1, 2), values)  # (batch, cells, channels)
         else:
