@@ -1,5 +1,6 @@
 """Batches of prepared pairs: text padded to the longest in the batch, uint8 images read once per batch, sample ids."""
 
+import itertools
 import math
 import zlib
 from collections.abc import Callable
@@ -28,13 +29,15 @@ def uint8_pixels(
     chunks = column.chunks if isinstance(column, pa.ChunkedArray) else [column]
     if out is None:
         out = np.empty((len(column), *shape), dtype=np.uint8)
-    row = 0
-    for chunk in chunks:
-        values = chunk.storage if isinstance(chunk, pa.ExtensionArray) else chunk
-        while pa.types.is_list(values.type) or pa.types.is_large_list(values.type):
-            values = values.flatten()
-        out[row : row + len(chunk)] = values.to_numpy(zero_copy_only=False).reshape(len(chunk), *shape)
-        row += len(chunk)
+    if len(out) == 0:
+        return out
+    # The rows of a gathered batch come as one chunk each: their storage is joined once and flattened once (per-chunk
+    # flattening and conversion cost more than the copy).
+    storage = [chunk.storage if isinstance(chunk, pa.ExtensionArray) else chunk for chunk in chunks]
+    values = storage[0] if len(storage) == 1 else pa.concat_arrays(storage)
+    while pa.types.is_list(values.type) or pa.types.is_large_list(values.type):
+        values = values.flatten()
+    out[:] = values.to_numpy(zero_copy_only=False).reshape(len(out), *shape)
     return out
 
 
@@ -172,15 +175,18 @@ class ImageTextCollator:
 
     def _pad(self, sequences: list[list[int]]) -> dict[str, torch.Tensor]:
         """Right-pad token ids to the longest sequence (rounded up to `pad_to_multiple_of`)."""
-        length = max(len(s) for s in sequences)
+        lengths = np.fromiter((len(s) for s in sequences), dtype=np.int64, count=len(sequences))
+        length = int(lengths.max())
         if self.pad_to_multiple_of:
             length = -(-length // self.pad_to_multiple_of) * self.pad_to_multiple_of
-        input_ids = torch.full((len(sequences), length), self.pad_token_id, dtype=torch.long)
-        attention_mask = torch.zeros((len(sequences), length), dtype=torch.long)
-        for i, sequence in enumerate(sequences):
-            input_ids[i, : len(sequence)] = torch.as_tensor(sequence, dtype=torch.long)
-            attention_mask[i, : len(sequence)] = 1
-        return {"input_ids": input_ids, "attention_mask": attention_mask}
+        attention_mask = np.arange(length)[None, :] < lengths[:, None]  # (batch, length)
+        input_ids = np.full((len(sequences), length), self.pad_token_id, dtype=np.int64)
+        # The tokens in row-major order fill the unmasked positions, row by row: one copy, no loop over the rows.
+        input_ids[attention_mask] = np.fromiter(itertools.chain.from_iterable(sequences), np.int64, int(lengths.sum()))
+        return {
+            "input_ids": torch.from_numpy(input_ids),
+            "attention_mask": torch.from_numpy(attention_mask.astype(np.int64)),
+        }
 
     @staticmethod
     def _check_alignment(features, keys: list[str], position: dict[int, int]) -> None:

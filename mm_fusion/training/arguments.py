@@ -280,10 +280,10 @@ class MMFusionTrainingArguments(TrainingArguments):
     per_device_eval_batch_size: int = field(default=256, metadata={"help": "Pairs per device per evaluation step."})
     eval_strategy: str = field(default="steps", metadata={"help": "When to evaluate: no, steps or epoch."})
     eval_steps: float | None = field(
-        default=1 / 3, metadata={"help": "Evaluate every N steps (a float < 1: a fraction of the run)."}
+        default=0.5, metadata={"help": "Evaluate every N steps (a float < 1: a fraction of the run)."}
     )
     save_strategy: str = field(default="steps", metadata={"help": "When to checkpoint: no, steps or epoch."})
-    save_steps: float = field(default=1 / 3, metadata={"help": "Checkpoint every N steps (< 1: a fraction)."})
+    save_steps: float = field(default=0.5, metadata={"help": "Checkpoint every N steps (< 1: a fraction)."})
     save_total_limit: int | None = field(default=2, metadata={"help": "Checkpoints kept."})
     logging_steps: float = field(default=50, metadata={"help": "Log every N steps."})
     report_to: None | str | list[str] = field(default="none", metadata={"help": "tensorboard, wandb, ... or none."})
@@ -298,17 +298,19 @@ class MMFusionTrainingArguments(TrainingArguments):
     group_by_image: bool | None = field(
         default=None,
         metadata={
-            "help": "Batch the pairs of each image together, so each image is encoded once per batch (not when its "
-            "tower reads the text: vision_text_attention, vision_film). Default: on "
-            "for vqa / classify, off for pretrain (the pairs of one image would be each other's contrastive "
-            "negatives)."
+            "help": "Order the pairs image by image in runs of --image_group_size, so that the pairs of an image "
+            "share a batch and its image is encoded once (when the tower reads the text, vision_text_attention or "
+            "vision_film: its stem and first stage). Default: on for vqa / classify, off for pretrain (the pairs of "
+            "one image would be each other's contrastive negatives)."
         },
     )
     image_group_size: int = field(
         default=1,
         metadata={
-            "help": "With group_by_image: at most this many pairs of one image in a row (0: all of them); smaller "
-            "values put more distinct images in each batch."
+            "help": "With group_by_image: at most this many pairs of one image in a row (0: all of them; 1, the "
+            "default: a random order). Larger values share more image encoding; smaller put more distinct images in "
+            "each batch, which the default easy-VQA recipe learns faster from (scripts/benchmarks/results/"
+            "easy_vqa_schedule_ladder.md)."
         },
     )
     early_stopping_patience: int | None = field(
