@@ -140,7 +140,7 @@ def run_one(name: str, seed: int, output_dir: Path, code: Path | None = None) ->
     return {
         "run": name,
         "seed": seed,
-        "description": DESCRIPTIONS[recipe] if commit is None else f"the same command on the code of commit {commit}",
+        "description": describe(name),
         "command": "accelerate launch " + " ".join(command[2:]),
         "test_accuracy": results["eval_accuracy"],
         "wall_seconds": wall,
@@ -162,6 +162,12 @@ def stats(values: list[float]) -> dict:
 def mean_range(stat: dict, digits: int, scale: float = 1.0) -> str:
     low, mean, high = (f"{stat[k] * scale:.{digits}f}" for k in ("min", "mean", "max"))
     return mean if stat["min"] == stat["max"] else f"{mean} ({low}–{high})"
+
+
+def describe(name: str) -> str:
+    """What a run is: its recipe's description, or for `RECIPE@COMMIT` the commit its code comes from."""
+    recipe, commit = recipe_and_commit(name)
+    return DESCRIPTIONS[recipe] if commit is None else f"the same command on the code of commit {commit}"
 
 
 def combine(name: str, runs: list[dict]) -> dict:
@@ -219,12 +225,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     previous = json.loads(results_path.read_text())["runs"] if results_path.is_file() else []
     rows = {r["run"]: r for r in previous if "seeds" in r}  # rows of the older repeats-of-one-seed format are dropped
     hardware = machine()
-    # A recipe's runs already there on this CPU are kept, but for the seeds run again: more seeds add to a row.
+    # A recipe's runs already there on this CPU are kept, but for the seeds run again: more seeds add to a row. Runs of
+    # a recipe described otherwise (its defaults changed since) are dropped: a row is one recipe.
     done = {
         name: [
             r
             for r in (rows[name]["runs"] if name in rows and rows[name].get("machine") == hardware else [])
-            if r["seed"] not in seeds
+            if r["seed"] not in seeds and r.get("description") == describe(name)
         ]
         for name in names
     }

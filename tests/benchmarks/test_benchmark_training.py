@@ -71,7 +71,13 @@ def test_more_seeds_join_a_row_of_the_same_machine_and_replace_the_seeds_run_aga
     monkeypatch.setitem(bench.RUNS, "tiny", [])
     accuracy = {0: 0.9, 1: 0.8, 2: 0.7}
     monkeypatch.setattr(
-        bench, "run_one", lambda name, seed, out, code=None: {**run(seed, accuracy[seed], 60, 100), "run": name}
+        bench,
+        "run_one",
+        lambda name, seed, out, code=None: {
+            **run(seed, accuracy[seed], 60, 100),
+            "run": name,
+            "description": bench.describe(name),
+        },
     )
     argv = ["--runs", "tiny", "--output_root", str(tmp_path / "runs"), "--results", str(tmp_path / "results")]
     bench.main([*argv, "--seeds", "0,1"])
@@ -86,6 +92,12 @@ def test_more_seeds_join_a_row_of_the_same_machine_and_replace_the_seeds_run_aga
     bench.main([*argv, "--seeds", "2"])
     (row,) = json.loads((tmp_path / "results.json").read_text())["runs"]
     assert row["seeds"] == [2] and row["machine"]["cpu"] == "another"
+    # A recipe whose description changed (its defaults did) starts its row again too.
+    bench.main([*argv, "--seeds", "1"])
+    monkeypatch.setitem(bench.DESCRIPTIONS, "tiny", "d, 4 epochs")
+    bench.main([*argv, "--seeds", "0"])
+    (row,) = json.loads((tmp_path / "results.json").read_text())["runs"]
+    assert row["seeds"] == [0] and row["description"] == "d, 4 epochs"
 
 
 BEFORE_ISSUE_52 = "41766e4"  # a commit whose stage reads were never factored (MMFusionStageRead._factored_pays)
