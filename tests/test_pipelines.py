@@ -623,4 +623,4 @@ def test_push_to_hub_sends_model_processor_code_pipelines_and_card(tmp_path, mon
     }  # fmt: skip
     assert expected <= set(sent["files"]), expected - set(sent["files"])
     assert "image-text-classification" in sent["config"]["custom_pipelines"]
-    assert 'pipeline("image-text-classification", model="me/tiny"' in sent["card"]
+    assert 'pipeline(\n    "image-text-classification",\n    model="me/tiny",\n' in sent["card"]
