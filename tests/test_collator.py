@@ -2,6 +2,7 @@
 augmentation, uint8 normalisation in the model, and Trainer's length grouping on the `length` column."""
 
 import json
+import pickle
 
 import numpy as np
 import pytest
@@ -69,6 +70,40 @@ def test_collator_pads_to_longest_and_reads_each_image_once(prepared):
     assert "image_index" not in unshared and unshared["pixel_values"].shape == (5, 3, SIZE, SIZE)
     assert torch.equal(unshared["pixel_values"], batch["pixel_values"][batch["image_index"]])
     assert ImageTextCollator(data.images, pad_to_multiple_of=8)(features)["input_ids"].shape[1] % 8 == 0
+
+
+def test_collator_reads_the_rows_datasets_would_from_every_chunk_and_in_workers(prepared):
+    """The collator gathers image rows from the table's Arrow chunks itself (datasets' gather rebuilds the Array3D
+    type per row): the pixels and keys must be those datasets returns, for a table of several chunks, for one with an
+    indices mapping, and in data loader workers, which get the collator pickled without its gathered columns."""
+    from datasets import concatenate_datasets
+
+    data = prepared["data"]
+    chunked = concatenate_datasets(
+        [data.images.select(range(0, 3)), data.images.select(range(3, 5)), data.images.select(range(5, 8))]
+    )
+    assert chunked.data.column("pixel_values").num_chunks == 3
+    reversed_rows = data.images.select(range(7, -1, -1))  # an indices mapping
+    features = [data.pairs[i] for i in (7, 0, 3, 4, 15, 2, 5, 6)]
+    for images in (data.images, chunked, reversed_rows):
+        expected = torch.tensor(
+            np.asarray(images.with_format("numpy")[[f["image_index"] for f in features]]["pixel_values"]),
+            dtype=torch.uint8,
+        )
+        batch = ImageTextCollator(images, check_alignment=images is not reversed_rows)(features)
+        assert torch.equal(batch["pixel_values"][batch["image_index"]], expected)
+    collator = ImageTextCollator(chunked)
+    collator(features)  # its gathered columns built in this process ...
+    loader = torch.utils.data.DataLoader(
+        [data.pairs[i] for i in range(40)], batch_size=8, collate_fn=collator, num_workers=2
+    )
+    in_workers = list(loader)
+    assert collator._columns is not None and pickle.loads(pickle.dumps(collator))._columns is None  # ... not sent
+    in_process = [collator([data.pairs[i] for i in range(j, j + 8)]) for j in range(0, 40, 8)]
+    for a, b in zip(in_workers, in_process):
+        assert torch.equal(a["pixel_values"], b["pixel_values"]) and a["sample_ids"] == b["sample_ids"]
+    with pytest.raises(IndexError, match=r"Image rows \[8\] out of range for the images table's 8 rows"):
+        collator._rows([0, 8])
 
 
 def test_alignment_check_catches_an_images_table_that_does_not_belong(prepared):
