@@ -15,7 +15,7 @@ What differs is what the baselines of baselines.py stand for: the data path, the
 - `run_clip`: transformers' run_clip `datasets` path (texts padded to 64 tokens, random batches) and the stock
   `Trainer` with the recipe's optimizer and schedule.
 - `mm_fusion`: the steps of `scripts/train.py` (`mm_fusion.training.setup_run`) with their defaults: the uint8 cache,
-  texts padded to the longest, image-grouped batches.
+  texts padded to the longest, the questions in a random order (`--image_group_size 1`).
 
 Each contender runs in a fresh process, one after the other, alone on the machine, for at most `--max_steps`
 optimizer steps (the length the learning-rate schedules are set for; by default as many as the default run's) and is
@@ -25,7 +25,7 @@ contender stops at the first evaluation at or above `--target`, or at the first 
 training. Target: mm_fusion reaches each of `--judged_at` (0.9, 0.95, 0.99) in <= 1/3 of the training time of the
 faster baseline that reaches it, and every accuracy that a baseline reaches (a miss is a FAIL row).
 
-    python scripts/benchmarks/benchmark_time_to_accuracy.py  # about 1 hour on 2 cores
+    python scripts/benchmarks/benchmark_time_to_accuracy.py  # 33 min on 2 cores on 2026-11-28; at most about 1 hour
 
 (at most 15 + 30 + 15 minutes of training, as the default budgets allow, plus evaluations and start-up). Writes
 scripts/benchmarks/results/benchmark_time_to_accuracy.{json,md} and prints the Markdown report.
