@@ -79,6 +79,25 @@ def proc_status_kib(field: str) -> int | None:
         return None
 
 
+def reuse_freed_memory() -> bool:
+    """
+    Make glibc keep freed memory in this process (`mallopt`: mmap threshold 32 MiB, trim threshold 1 GiB); `False`
+    where the C library is not glibc. For loops timed outside the `Trainer`: torch has no caching allocator on a CPU,
+    and with glibc's dynamic thresholds a step of the default model in profile_training_step.py's own loop faulted in
+    its activations afresh every step (~1,300 minor faults, 107 against 90 ms a step), while the same step in
+    `scripts/train.py`'s `Trainer` faulted none (the thresholds depend on what the process freed before). With this
+    set, such a loop times what training pays. Process-wide and for the process's life.
+    """
+    import ctypes
+
+    if not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc":
+        return False
+    mallopt = ctypes.CDLL(None).mallopt
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    # M_MMAP_THRESHOLD (-3) first: setting either ends the dynamic threshold; M_TRIM_THRESHOLD (-1). 1 = success.
+    return mallopt(-3, 32 * 2**20) == 1 and mallopt(-1, 2**30) == 1
+
+
 def reset_peak_rss() -> bool:
     """Reset this process's RSS high-water mark (Linux: `echo 5 > /proc/self/clear_refs`); False if not possible."""
     try:

@@ -16,12 +16,17 @@ model, batches and optimizer of `scripts/train.py` with no arguments (`mm_fusion
    tokens (where `MMFusionStageRead._factored_pays` draws the line).
 4. **Evaluation's share**: one evaluation over the test questions against the training epochs around it.
 
+The process keeps freed memory for reuse (`benchmarking.reuse_freed_memory`): without it, this loop faulted in fresh
+memory every step (~1,300 page faults, 17 ms a step) where `scripts/train.py`'s `Trainer` faults none. Each variant's
+page faults a step are reported.
+
     python scripts/benchmarks/profile_training_step.py   # ~6 minutes on 2 cores
 
 Writes scripts/benchmarks/results/profile_training_step.{json,md} and prints the tables.
 """
 
 import contextlib
+import resource
 import shlex
 import statistics
 import tempfile
@@ -29,7 +34,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-from benchmarking import RESULTS, machine, markdown_table, write_report
+from benchmarking import RESULTS, machine, markdown_table, reuse_freed_memory, write_report
 from transformers import HfArgumentParser
 
 from mm_fusion.training.run import setup_run
@@ -191,6 +196,7 @@ def step_times(model, optimizer, batches: list[dict], variants: list[str], steps
             run_step(compiled, optimizer, batch, "compile")
         compile_s = time.perf_counter() - start
     times = {v: [] for v in variants}
+    faults = {v: 0 for v in variants}  # minor page faults (fresh memory touched), summed over the timed steps
     for variant in variants:  # warm-up
         for batch in batches[:2]:
             run_step(compiled if variant == "compile" else model, optimizer, batch, variant)
@@ -198,10 +204,15 @@ def step_times(model, optimizer, batches: list[dict], variants: list[str], steps
         batch = batches[i % len(batches)]
         order = variants[i % len(variants) :] + variants[: i % len(variants)]
         for variant in order:
-            start = time.perf_counter()
+            start, faulted = time.perf_counter(), minor_faults()
             run_step(compiled if variant == "compile" else model, optimizer, batch, variant)
             times[variant].append(time.perf_counter() - start)
-    return {"times": times, "compile_s": compile_s}
+            faults[variant] += minor_faults() - faulted
+    return {"times": times, "compile_s": compile_s, "faults": {v: n / steps for v, n in faults.items()}}
+
+
+def minor_faults() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def run_step(module, optimizer, batch: dict, variant: str) -> None:
@@ -255,6 +266,7 @@ def main(argv: list[str] | None = None) -> dict:
     if unknown:
         raise ValueError(f"Unknown variants {unknown}; choose from {[*LADDER, *EXTRA]}.")
     info = machine()
+    info["reuses_freed_memory"] = reuse_freed_memory()  # as the Trainer's steps do (benchmarking.reuse_freed_memory)
     with tempfile.TemporaryDirectory() as out:
         trainer = setup_run(
             ["--output_dir", out, "--max_steps", "1", "--eval_strategy", "no", "--save_strategy", "no",
@@ -301,7 +313,8 @@ def main(argv: list[str] | None = None) -> dict:
         step_rows.append(
             {"variant": variant, "levers": list(LADDER.get(variant, LEVERS)), "step_ms": 1000 * median,
              "step_ms_min": 1000 * min(times), "step_ms_max": 1000 * max(times),
-             "samples_per_second": batch_size / median, "speedup_vs_before": base / median if base else None}
+             "samples_per_second": batch_size / median, "speedup_vs_before": base / median if base else None,
+             "minor_faults_per_step": steps["faults"][variant]}
         )  # fmt: skip
     report = {
         "machine": info,
@@ -325,7 +338,9 @@ def markdown(report: dict, args) -> str:
         f"The default training step of `scripts/train.py` (batch {batch['pairs']} questions of "
         f"{batch['distinct_images']:.1f} distinct images, {batch['text_tokens']:.1f} tokens); {info['cores']} cores "
         f"({info['cpu']}, family/model {info['cpu_family_model']}), {info['torch_threads']} torch threads, torch "
-        f"{info['torch']}. Medians.",
+        f"{info['torch']}. Medians. Freed memory kept in the process (glibc's thresholds set: "
+        f"{'yes' if info.get('reuses_freed_memory') else 'no'}), so that the steps fault in no fresh memory, as "
+        "in the Trainer (benchmarking.reuse_freed_memory).",
         "",
         "**Breakdown**: each part alone on the inputs of one step (ms), before issue 52's levers and as shipped; the "
         f"optimizer step {report['optimizer_ms']:.1f} ms, the collator {batch['collate_ms']:.1f} ms a batch.",
@@ -345,10 +360,11 @@ def markdown(report: dict, args) -> str:
     rows = [
         [r["variant"], ", ".join(r["levers"]) or "none", f"{r['step_ms']:.1f} ({r['step_ms_min']:.0f}–"
          f"{r['step_ms_max']:.0f})", f"{r['samples_per_second']:.0f}",
-         f"{r['speedup_vs_before']:.2f}x" if r["speedup_vs_before"] else "-"]
+         f"{r['speedup_vs_before']:.2f}x" if r["speedup_vs_before"] else "-", f"{r['minor_faults_per_step']:.0f}"]
         for r in report["steps"]
     ]  # fmt: skip
-    lines += [markdown_table(["variant", "levers on", "step ms (min–max)", "samples/s", "vs before"], rows), ""]
+    header = ["variant", "levers on", "step ms (min–max)", "samples/s", "vs before", "page faults a step"]
+    lines += [markdown_table(header, rows), ""]
     if report["compile_seconds"] is not None:
         lines += [f"`torch.compile`: {report['compile_seconds']:.0f} s to compile and run its first 3 steps.", ""]
     lines += ["**The reads**, each stage's alone (batch 64), forward + backward (ms):", ""]
