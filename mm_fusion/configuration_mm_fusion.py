@@ -218,6 +218,11 @@ class MMFusionConfig(PreTrainedConfig):
             tower trained from scratch with cross-attention fusion and a classification head). The same consequences
             as `vision_film` (one tower run per pair; no pretraining head or `get_image_features`); the two cannot be
             combined.
+        vision_text_attention_from_stage (`int`, *optional*, defaults to 1):
+            With `vision_text_attention`: the first stage after the stem whose cells read the text (1 = every stage).
+            The stages before it do not depend on the text: with image-grouped batches (`image_index`) they run once
+            per distinct image, as the stem does, and a step costs less; the reads they no longer make may cost
+            accuracy (scripts/benchmarks/results/easy_vqa_schedule_ladder.md).
         pooling_mode (`str`, *optional*, defaults to `"mean"`):
             How a sequence becomes one vector: `"mean"` (over non-padding tokens / all patches) or `"cls"` (first
             token).
@@ -310,6 +315,7 @@ class MMFusionConfig(PreTrainedConfig):
     vision_conv_stem: list[int] | None = None
     vision_film: bool = False
     vision_text_attention: bool = False
+    vision_text_attention_from_stage: int = 1
     # Pooling
     pooling_mode: str = "mean"
     image_pooling: str | None = None
@@ -400,6 +406,13 @@ class MMFusionConfig(PreTrainedConfig):
                 f"vision_text_attention conditions the stages of a backbone / convolutional vision tower; the {name} "
                 "tower is a transformer encoder."
             )
+        if self.vision_text_attention:
+            count = num_stages(self.vision_config) - (1 if self.vision_tower_type == "backbone" else 0)
+            if not 1 <= self.vision_text_attention_from_stage <= count:
+                raise ValueError(
+                    f"vision_text_attention_from_stage={self.vision_text_attention_from_stage}: the {name} tower has "
+                    f"{count} stages after its stem, so the first stage that reads the text is one of 1-{count}."
+                )
         if self.vision_film and self.vision_text_attention:
             raise ValueError(
                 "vision_film and vision_text_attention both condition the vision tower's stages on the text: choose "

@@ -193,6 +193,7 @@ def _tower_attention_maps(model, inputs: dict, image_index: torch.Tensor | None,
         reads.recorded = None
     size = recorded[0][1]
     offset = 1 if model.mm_fusion._vision_tower_type == "backbone" else 0  # a backbone's stage 0 is its stem
+    offset += reads.first_stage  # the stages before it read nothing
     rows = torch.arange(len(token))
     maps = []
     for probabilities, (height, width) in recorded:

@@ -697,9 +697,10 @@ class MMFusionPreTrainedModel(PreTrainedModel):
         - A backbone / convolutional tower reuses each weight at every position of a feature map, so its cost is no
           parameter count times tokens: the bare model's forward FLOPs per image, per pair and per text token are
           measured once per image shape ([`_flop_rates`]), and the heads add 2 x their parameters per pair. With a
-          tower conditioned on each text (`vision_text_attention`, `vision_film`) the stem and first stage count once
-          per distinct image and the rest of the tower, with the stages' reads of the text, once per text. The
-          pretraining head's second fusion pass (image-text matching with hard negatives) is not counted.
+          tower conditioned on each text (`vision_text_attention`, `vision_film`) the stem and the stages up to the
+          first conditioned one count once per distinct image and the rest of the tower, with the stages' reads of
+          the text, once per text. The pretraining head's second fusion pass (image-text matching with hard
+          negatives) is not counted.
         """
         pixel_values, input_ids = input_dict.get("pixel_values"), input_dict.get("input_ids")
         if pixel_values is None or input_ids is None:

@@ -96,7 +96,11 @@ class MMFusionVisionEncoder:
                 self.vision_film = MMFusionVisionFiLM(conditioned, channels, text.hidden_size)
             else:
                 self.vision_text_attention = MMFusionVisionCrossAttention(
-                    conditioned, channels, text.hidden_size, text.num_attention_heads
+                    conditioned,
+                    channels,
+                    text.hidden_size,
+                    text.num_attention_heads,
+                    first_stage=config.vision_text_attention_from_stage - 1,
                 )
 
     @property
@@ -109,8 +113,8 @@ class MMFusionVisionEncoder:
         self, text_hidden: torch.Tensor, attention_mask: torch.Tensor | None, image_index: torch.Tensor | None = None
     ):
         """A context in which the vision tower runs conditioned on these texts: on one image per text, or, with
-        `image_index` (each text's image), on the distinct images, whose stem and first stage then run once per image
-        and the conditioned stages once per text. No condition when the model has none."""
+        `image_index` (each text's image), on the distinct images, whose stem and stages up to the first conditioned
+        one then run once per image and the conditioned stages once per text. No condition when the model has none."""
         if self.vision_film is not None:
             text = pool(text_hidden, attention_mask, self.config.pooling_mode)
             return self.vision_film.conditioned(text, image_index)
@@ -129,10 +133,11 @@ class MMFusionVisionEncoder:
     ) -> tuple[ModelOutput, list[torch.Tensor]]:
         """
         [`encode_images`] for a tower conditioned on each text (`vision_film` / `vision_text_attention`): the image
-        features are one per text. What runs before the first conditioned stage (the stem and the first stage) does
-        not depend on the text, so when texts share images (`image_index`, fewer images than texts: an image-grouped
-        batch) it runs once per distinct image and its output is expanded to the texts; the stem's maps in the
-        output (hidden states, a feature map read from the stem) are expanded the same way.
+        features are one per text. What runs up to the first conditioned stage (the stem, the first stage, and with
+        `vision_text_attention_from_stage` > 1 the stages before it) does not depend on the text, so when texts share
+        images (`image_index`, fewer images than texts: an image-grouped batch) it runs once per distinct image and
+        its output is expanded to the texts; its maps in the output (hidden states, a feature map read from them) are
+        expanded the same way.
         """
         shared = image_index is not None and len(pixel_values) < len(image_index)
         if image_index is not None and not shared:

@@ -376,8 +376,9 @@ class _StageHook:
             return output
         hidden = output[0] if isinstance(output, tuple) else output
         if self.index == 0 and self.owner._image_index is not None:
-            # Everything up to here (the stem and this stage) saw no text: it ran once per distinct image, and its
-            # output now becomes one row per text, which the stages from here on condition on their own text.
+            # Everything up to here (the stem and the stages to this first conditioned one) saw no text: it ran once
+            # per distinct image, and its output now becomes one row per text, which the stages from here on condition
+            # on their own text.
             hidden = hidden[self.owner._image_index]
         hidden = self.owner.condition_stage(self.index, hidden)
         return (hidden, *output[1:]) if isinstance(output, tuple) else hidden
@@ -493,14 +494,18 @@ class MMFusionVisionCrossAttention(nn.Module):
     after the read see where that object is. Forward hooks on the stage modules apply the reads, as for FiLM.
     """
 
-    def __init__(self, stages: nn.ModuleList, channels: list[int], text_width: int, num_heads: int):
+    def __init__(
+        self, stages: nn.ModuleList, channels: list[int], text_width: int, num_heads: int, first_stage: int = 0
+    ):
         super().__init__()
-        self.reads = nn.ModuleList(MMFusionStageRead(c, text_width, num_heads) for c in channels)
+        # Stages from `first_stage` on (0 = every stage after the stem) read; `reads[k]` is stage `first_stage + k`'s.
+        self.first_stage = first_stage
+        self.reads = nn.ModuleList(MMFusionStageRead(c, text_width, num_heads) for c in channels[first_stage:])
         self._condition: tuple[torch.Tensor, torch.Tensor | None] | None = None
         self._image_index: torch.Tensor | None = None
         # Set to a list to record each stage's read probabilities and grid (image_maps' "tower_attention" maps).
         self.recorded: list[tuple[torch.Tensor, tuple[int, int]]] | None = None
-        for index, stage in enumerate(stages):
+        for index, stage in enumerate(list(stages)[first_stage:]):
             stage.register_forward_hook(_StageHook(self, index))
 
     def conditioned(

@@ -238,3 +238,44 @@ def test_a_long_read_is_factored_and_a_coarse_one_projected():
     assert read._factored_pays(256, 24, 12)
     assert not read._factored_pays(256, 24, 64)
     assert not MMFusionStageRead(channels=96, text_width=96, num_heads=4)._factored_pays(16, 96, 12)
+
+
+def test_reads_may_start_at_a_later_stage(tester, tmp_path):
+    """`vision_text_attention_from_stage=2`: the first stage reads nothing and, with texts sharing images, runs once
+    per image like the stem; outputs and gradients equal those of the tower run once per text; saved and reloaded
+    with it; a stage the tower does not have is refused, naming the setting."""
+    config = text_attention_config(tester, vision_text_attention_from_stage=2)
+    model = MMFusionForImageTextClassification(config)
+    reads = model.mm_fusion.vision_text_attention.reads
+    assert [read.query.in_features for read in reads] == [16]  # the tiny ResNet's second stage only
+    model.eval()
+    inputs = tester.inputs()
+    index = torch.tensor([1, 1, 0])
+    stages = model.mm_fusion.vision_model.encoder.stages
+    rows = []
+    handles = [stage.register_forward_pre_hook(lambda m, args: rows.append(len(args[0]))) for stage in stages]
+    labels = torch.tensor([0, 1, 2])
+    shared_inputs = {**inputs, "pixel_values": inputs["pixel_values"][:2], "image_index": index}
+    shared = model(**shared_inputs, labels=labels)
+    shared.loss.backward()
+    shared_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    paired = model(**{**inputs, "pixel_values": inputs["pixel_values"][index]}, labels=labels)
+    paired.loss.backward()
+    for handle in handles:
+        handle.remove()
+    # The rows each stage runs on: stage 1 and stage 2 on the two images when shared (stage 2's read then expands its
+    # output to the three texts), both on the three texts when not.
+    assert rows == [2, 2, 3, 3]
+    torch.testing.assert_close(shared.logits, paired.logits)
+    for name, p in model.named_parameters():
+        if p.grad is not None:
+            torch.testing.assert_close(shared_grads[name], p.grad, atol=1e-5, rtol=1e-4, msg=name)
+    model.save_pretrained(tmp_path)
+    reloaded = MMFusionForImageTextClassification.from_pretrained(tmp_path).eval()
+    assert reloaded.config.vision_text_attention_from_stage == 2
+    torch.testing.assert_close(reloaded(**shared_inputs).logits, model(**shared_inputs).logits)
+    with pytest.raises(ValueError, match="vision_text_attention_from_stage=3"):
+        text_attention_config(tester, vision_text_attention_from_stage=3)
+    with pytest.raises(ValueError, match="vision_text_attention_from_stage=0"):
+        text_attention_config(tester, vision_text_attention_from_stage=0)
