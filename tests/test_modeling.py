@@ -598,7 +598,7 @@ def test_config_fields_are_declared_and_documented():
     own = [f.name for f in dataclasses.fields(MMFusionConfig) if f.name not in BASE_CONFIG_FIELDS]
     documented = re.findall(r"^        (\w+) \(`", MMFusionConfig.__doc__, re.M)
     assert own == documented
-    assert len(own) == 34 and own[:2] == ["vision_config", "text_config"]
+    assert len(own) == 35 and own[:2] == ["vision_config", "text_config"]
 
 
 def test_config_refuses_a_value_of_the_wrong_type_naming_the_field(tester):

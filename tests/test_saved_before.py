@@ -84,6 +84,7 @@ def test_old_directory_saves_again_in_the_same_format(name, tmp_path):
         "vision_conv_stem": None,
         "vision_film": False,
         "vision_text_attention": False,
+        "vision_text_attention_from_stage": 1,
         "init_scheme": "normal",
         "feature_map_bridge": True,
         "fusion_layer_order": "self_first",
