@@ -57,8 +57,8 @@ RUNS = {
 DESCRIPTIONS = {
     "default": "no arguments: a ResNet tower (stages of 24, 48, 96 channels, sine positions) whose stages read the "
     "question, hierarchical fusion, text-to-image attention, the questions in a random order, peak learning rate "
-    "5e-4, 4 epochs",
-    "full": "scripts/configs/easy_vqa_full.yaml: the default model and batches, 6 epochs",
+    "7e-4 with gradients clipped at norm 5, 3.5 epochs",
+    "full": "scripts/configs/easy_vqa_full.yaml: the default model and batches, 6 epochs at 5e-4 clipped at 1",
     "previous_default": "the default before the tower read the question (no stages' reads, fusion layers drawn from "
     "N(0, 0.02), the feature-map bridge)",
     "previous_default_no_limit": "previous_default with all questions of an image in a row (--image_group_size 0)",
