@@ -57,7 +57,7 @@ RUNS = {
 DESCRIPTIONS = {
     "default": "no arguments: a ResNet tower (stages of 24, 48, 96 channels, sine positions) whose stages read the "
     "question, hierarchical fusion, text-to-image attention, the questions in a random order, peak learning rate "
-    "7e-4 with gradients clipped at norm 5, 3.5 epochs",
+    "7e-4 with gradients clipped at norm 5, 3.25 epochs",
     "full": "scripts/configs/easy_vqa_full.yaml: the default model and batches, 6 epochs at 5e-4 clipped at 1",
     "previous_default": "the default before the tower read the question (no stages' reads, fusion layers drawn from "
     "N(0, 0.02), the feature-map bridge)",
