@@ -275,7 +275,7 @@ class MMFusionTrainingArguments(TrainingArguments):
     weight_decay: float = field(default=0.01, metadata={"help": "AdamW weight decay."})
     warmup_steps: float = field(default=0.05, metadata={"help": "Warm-up steps (a float < 1: a fraction)."})
     lr_scheduler_type: str = field(default="cosine", metadata={"help": "Learning-rate schedule."})
-    num_train_epochs: float = field(default=3.25, metadata={"help": "Training epochs."})
+    num_train_epochs: float = field(default=3.5, metadata={"help": "Training epochs."})
     max_grad_norm: float = field(
         default=5.0,
         metadata={

@@ -338,7 +338,8 @@ def run_clip_dataset(split, tokenizer, size: int, rec: dict):
 
 
 def run_clip_arguments(rec: dict, out: str, max_steps: int, **changes):
-    """The stock `TrainingArguments` of the run_clip contender: the recipe's optimizer and schedule."""
+    """The stock `TrainingArguments` of the run_clip contender: the recipe's optimizer, gradient clipping and
+    schedule."""
     from transformers import TrainingArguments
 
     settings = dict(
@@ -349,6 +350,7 @@ def run_clip_arguments(rec: dict, out: str, max_steps: int, **changes):
         weight_decay=rec["weight_decay"],
         warmup_steps=rec["warmup_steps"],
         lr_scheduler_type=rec["lr_scheduler_type"],
+        max_grad_norm=rec["max_grad_norm"],
         max_steps=max_steps,
         seed=rec["seed"],
         bf16=torch.cuda.is_available(),

@@ -13,7 +13,7 @@ What differs is what the baselines of baselines.py stand for: the data path, the
   batches), micro-batches of 32 accumulated by hand to 64, fp32, AdamW at the recipe's peak learning rate without a
   schedule; the model gets the loader's normalised float pixels. Evaluated by its own loop.
 - `run_clip`: transformers' run_clip `datasets` path (texts padded to 64 tokens, random batches) and the stock
-  `Trainer` with the recipe's optimizer and schedule.
+  `Trainer` with the recipe's optimizer, gradient clipping and schedule.
 - `mm_fusion`: the steps of `scripts/train.py` (`mm_fusion.training.setup_run`) with their defaults: the uint8 cache,
   texts padded to the longest, the questions in a random order (`--image_group_size 1`).
 

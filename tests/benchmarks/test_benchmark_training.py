@@ -39,6 +39,8 @@ def test_a_recipe_is_launched_from_the_checkout_root_and_merged_into_the_results
     kept = bench.combine("full", [run(0, 0.99, 630, 854)])
     old = {"run": "short", "repeats": 3, "test_accuracy": {"median": 0.9}}
     (tmp_path / "results.json").write_text(json.dumps({"machine": "m", "runs": [kept, old]}))
+    stale = tmp_path / "runs" / "tiny-seed3" / "checkpoint-9999"  # an earlier, longer run's checkpoint
+    stale.mkdir(parents=True)
     argv = ["--runs", "tiny", "--seeds", "3", "--output_root", str(tmp_path / "runs"), "--results",
             str(tmp_path / "results")]  # fmt: skip
     ordered = bench.main(argv)  # `accelerate launch scripts/train.py ...` with the checkout as working directory
@@ -52,6 +54,7 @@ def test_a_recipe_is_launched_from_the_checkout_root_and_merged_into_the_results
         f"{tmp_path / 'runs' / 'tiny-seed3'} --disable_tqdm True"
     )
     assert saved["runs"][1]["machine"]["cpu"] and saved["runs"][1]["seeds"] == [3]
+    assert not stale.exists()  # the run started in an empty directory
     results = json.loads((tmp_path / "runs" / "tiny-seed3" / "all_results.json").read_text())
     state = json.loads((tmp_path / "runs" / "tiny-seed3" / "trainer_state.json").read_text())
     assert tiny["test_accuracy"] == results["eval_accuracy"] and tiny["train_seconds"] == results["train_runtime"]
