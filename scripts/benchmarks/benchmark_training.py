@@ -40,7 +40,8 @@ SHORT = ["--num_train_epochs", "3"]  # the ablations: 3 epochs each, against the
 PREVIOUS_MODEL = ["--config_overrides", "vision_text_attention=false,fusion_init=normal,feature_map_bridge=true"]
 RUNS = {
     "default": [],
-    "default_3.25_epochs": ["--num_train_epochs", "3.25"],
+    "default_3.5_epochs": ["--num_train_epochs", "3.5", "--learning_rate", "7e-4", "--max_grad_norm", "5"],
+    "default_3.25_epochs": ["--num_train_epochs", "3.25", "--learning_rate", "7e-4", "--max_grad_norm", "5"],
     "full": ["scripts/configs/easy_vqa_full.yaml"],
     "previous_default": PREVIOUS_MODEL,
     "previous_default_no_limit": ["--image_group_size", "0", *PREVIOUS_MODEL],
@@ -58,8 +59,10 @@ RUNS = {
 DESCRIPTIONS = {
     "default": "no arguments: a ResNet tower (stages of 24, 48, 96 channels, sine positions) whose stages read the "
     "question, hierarchical fusion, text-to-image attention, the questions in a random order, peak learning rate "
-    "7e-4 with gradients clipped at norm 5, 3.5 epochs",
-    "default_3.25_epochs": "the default cut to 3.25 epochs (fifth session; seeds 0-4 ran as the default of commit "
+    "5e-4 with gradients clipped at norm 1, 4 epochs",
+    "default_3.5_epochs": "3.5 epochs at 7e-4 clipped at 5 (the default of the fourth and fifth sessions; seeds 0-4 "
+    "ran as the default of commit 839b25c, with no arguments)",
+    "default_3.25_epochs": "3.25 epochs at 7e-4 clipped at 5 (fifth session; seeds 0-4 ran as the default of commit "
     "82208ac, with no arguments)",
     "full": "scripts/configs/easy_vqa_full.yaml: the default model and batches, 6 epochs at 5e-4 clipped at 1",
     "previous_default": "the default before the tower read the question (no stages' reads, fusion layers drawn from "
