@@ -204,7 +204,7 @@ def test_gradient_accumulation_matches_the_full_batch(tmp_path):
         flags = ["--per_device_train_batch_size", str(batch), "--gradient_accumulation_steps", str(accumulation),
                  "--train_sampling_strategy", "sequential", "--dropout", "0", "--max_steps", "2",
                  "--eval_strategy", "no", "--save_strategy", "no", "--seed", "0", "--warmup_steps", "0",
-                 # Clipped at 1, as when this test was written: clipped at the default 5, the keys' bias (whose
+                 # Clipped at 1, whatever the default: clipped at 5 (the default for a while), the keys' bias (whose
                  # gradient is zero in exact arithmetic: softmax ignores it) took updates from rounding noise that
                  # differ between the two summation orders.
                  "--max_grad_norm", "1"]  # fmt: skip
