@@ -139,7 +139,7 @@ TASK_DESCRIPTIONS = {
 FALLBACK_EXAMPLES = ("a photo", "a drawing")
 
 FUSION_DESCRIPTIONS = {
-    "hierarchical": "hierarchical cross-attention bridges (fusion layers fed from several tower layers)",
+    "hierarchical": "hierarchical cross-attention bridges (each fusion layer fed from its own tower layers)",
     "cross_attention": "a co-attention stack over the towers' final features",
     "late": "late fusion (pooled, projected tower features only; a dual encoder)",
 }

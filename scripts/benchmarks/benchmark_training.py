@@ -37,11 +37,35 @@ from transformers import HfArgumentParser
 
 SHORT = ["--num_train_epochs", "3"]  # the ablations: 3 epochs each, against the same 3-epoch baseline
 # The default model before its tower read the question (mm_fusion.training.models.conv_fusion_defaults).
-PREVIOUS_MODEL = ["--config_overrides", "vision_text_attention=false,fusion_init=normal,feature_map_bridge=true"]
+TWO_LAYERS = ["--fusion_layers", "2"]  # the default model of issue 52's first five sessions
+PREVIOUS_MODEL = [
+    *TWO_LAYERS,
+    "--config_overrides",
+    "vision_text_attention=false,fusion_init=normal,feature_map_bridge=true",
+]
 RUNS = {
     "default": [],
-    "default_3.5_epochs": ["--num_train_epochs", "3.5", "--learning_rate", "7e-4", "--max_grad_norm", "5"],
-    "default_3.25_epochs": ["--num_train_epochs", "3.25", "--learning_rate", "7e-4", "--max_grad_norm", "5"],
+    "default_4_epochs": ["--num_train_epochs", "4"],
+    "default_3_epochs": ["--num_train_epochs", "3"],
+    "default_2_fusion_layers": ["--fusion_layers", "2", "--num_train_epochs", "4"],
+    "default_3.5_epochs": [
+        *TWO_LAYERS,
+        "--num_train_epochs",
+        "3.5",
+        "--learning_rate",
+        "7e-4",
+        "--max_grad_norm",
+        "5",
+    ],
+    "default_3.25_epochs": [
+        *TWO_LAYERS,
+        "--num_train_epochs",
+        "3.25",
+        "--learning_rate",
+        "7e-4",
+        "--max_grad_norm",
+        "5",
+    ],
     "full": ["scripts/configs/easy_vqa_full.yaml"],
     "previous_default": PREVIOUS_MODEL,
     "previous_default_no_limit": ["--image_group_size", "0", *PREVIOUS_MODEL],
@@ -58,13 +82,19 @@ RUNS = {
 }
 DESCRIPTIONS = {
     "default": "no arguments: a ResNet tower (stages of 24, 48, 96 channels, sine positions) whose stages read the "
-    "question, hierarchical fusion, text-to-image attention, the questions in a random order, peak learning rate "
-    "5e-4 with gradients clipped at norm 1, 4 epochs",
-    "default_3.5_epochs": "3.5 epochs at 7e-4 clipped at 5 (the default of the fourth and fifth sessions; seeds 0-4 "
-    "ran as the default of commit 839b25c, with no arguments)",
-    "default_3.25_epochs": "3.25 epochs at 7e-4 clipped at 5 (fifth session; seeds 0-4 ran as the default of commit "
-    "82208ac, with no arguments)",
-    "full": "scripts/configs/easy_vqa_full.yaml: the default model and batches, 6 epochs at 5e-4 clipped at 1",
+    "question, one hierarchical text-to-image fusion layer reading its last stage, the questions in a random order, "
+    "peak learning rate 5e-4 with gradients clipped at norm 1, 3.5 epochs (sixth session; seeds 42, 0-4 ran as "
+    "--fusion_layers 1 --num_train_epochs 3.5, before those became the default)",
+    "default_4_epochs": "the default for 4 epochs (sixth session; ran as --fusion_layers 1 when the default had two)",
+    "default_3_epochs": "the default for 3 epochs (sixth session; ran as --fusion_layers 1 --num_train_epochs 3)",
+    "default_2_fusion_layers": "the default of issue 52's second to fifth sessions: two fusion layers (reading "
+    "stages 2 and 3), 4 epochs (seeds 0-4 ran as the default, second session)",
+    "default_3.5_epochs": "two fusion layers, 3.5 epochs at 7e-4 clipped at 5 (the default of the fourth and fifth "
+    "sessions; seeds 0-4 ran as the default of commit 839b25c, with no arguments)",
+    "default_3.25_epochs": "two fusion layers, 3.25 epochs at 7e-4 clipped at 5 (fifth session; seeds 0-4 ran as the "
+    "default of commit 82208ac, with no arguments)",
+    "full": "scripts/configs/easy_vqa_full.yaml: the default model (one fusion layer since the sixth session) and "
+    "batches, 6 epochs at 5e-4 clipped at 1",
     "previous_default": "the default before the tower read the question (no stages' reads, fusion layers drawn from "
     "N(0, 0.02), the feature-map bridge)",
     "previous_default_no_limit": "previous_default with all questions of an image in a row (--image_group_size 0)",
