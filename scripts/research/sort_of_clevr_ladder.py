@@ -313,7 +313,8 @@ def recipe_config(**overrides):
     from mm_fusion.training.arguments import ModelArguments
     from mm_fusion.training.models import build_config
 
-    args = ModelArguments(vision_tower="resnet", **overrides)
+    # Its rungs ran with two fusion layers, train.py's default until issue 52's sixth session, unless they name it.
+    args = ModelArguments(vision_tower="resnet", **{"fusion_layers": 2, **overrides})
     # The rungs from before the library's `fusion_layer_order` and text bridge defaults (point 38) keep the model they
     # ran with unless they name either: self-attention first, and the text tower's last layers bridged.
     settings = [args.config_overrides] if args.config_overrides else []
