@@ -37,7 +37,7 @@ from transformers import HfArgumentParser
 
 SHORT = ["--num_train_epochs", "3"]  # the ablations: 3 epochs each, against the same 3-epoch baseline
 # The default model before its tower read the question (mm_fusion.training.models.conv_fusion_defaults).
-TWO_LAYERS = ["--fusion_layers", "2"]  # the default model of issue 52's first five sessions
+TWO_LAYERS = ["--fusion_layers", "2"]  # the default model until issue 52's sixth session
 PREVIOUS_MODEL = [
     *TWO_LAYERS,
     "--config_overrides",
@@ -47,7 +47,7 @@ RUNS = {
     "default": [],
     "default_4_epochs": ["--num_train_epochs", "4"],
     "default_3_epochs": ["--num_train_epochs", "3"],
-    "default_2_fusion_layers": ["--fusion_layers", "2", "--num_train_epochs", "4"],
+    "default_2_fusion_layers": [*TWO_LAYERS, "--num_train_epochs", "4"],
     "default_3.5_epochs": [
         *TWO_LAYERS,
         "--num_train_epochs",
