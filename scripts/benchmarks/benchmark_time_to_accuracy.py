@@ -25,7 +25,7 @@ contender stops at the first evaluation at or above `--target`, or at the first 
 training. Target: mm_fusion reaches each of `--judged_at` (0.9, 0.95, 0.99) in <= 1/3 of the training time of the
 faster baseline that reaches it, and every accuracy that a baseline reaches (a miss is a FAIL row).
 
-    python scripts/benchmarks/benchmark_time_to_accuracy.py  # 33 min on 2 cores on 2026-11-28; at most about 1 hour
+    python scripts/benchmarks/benchmark_time_to_accuracy.py  # 25 min on 2 cores on 2026-11-29; at most about 1 hour
 
 (at most 15 + 30 + 15 minutes of training, as the default budgets allow, plus evaluations and start-up). Writes
 scripts/benchmarks/results/benchmark_time_to_accuracy.{json,md} and prints the Markdown report.
