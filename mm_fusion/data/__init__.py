@@ -25,6 +25,7 @@ The path of a pair, from raw rows to the model:
 
 from ..image_processing_mm_fusion import BadSample, load_image, load_pixels, to_rgb
 from .collator import AlignmentError, ImageTextCollator, StreamingCollator, uint8_pixels
+from .fashion_mnist import load_fashion_mnist
 from .image_codec import IMAGE_FORMATS, choose_image_format, decode_pixels, encode_pixels
 from .preprocessing import PreparedData, image_key, prepare_dataset, prepare_images, prepare_texts
 from .sort_of_clevr import load_sort_of_clevr
@@ -55,6 +56,7 @@ __all__ = [
     "decode_pixels",
     "encode_pixels",
     "load_easy_vqa",
+    "load_fashion_mnist",
     "load_image",
     "load_pixels",
     "load_sort_of_clevr",

@@ -20,7 +20,16 @@ from pathlib import Path
 
 from datasets import ClassLabel, Dataset, DatasetDict, Json, Value
 
-from ..data import ImageTextCollator, PreparedData, load_easy_vqa, load_pairs, load_sort_of_clevr, prepare_dataset
+from ..data import (
+    ImageTextCollator,
+    PreparedData,
+    load_easy_vqa,
+    load_fashion_mnist,
+    load_pairs,
+    load_sort_of_clevr,
+    prepare_dataset,
+)
+from ..data.fashion_mnist import vocabulary_texts as fashion_mnist_texts
 from ..data.sort_of_clevr import vocabulary_texts as sort_of_clevr_texts
 from .arguments import DataArguments, ModelArguments
 
@@ -33,6 +42,8 @@ SORT_OF_CLEVR_COLUMNS = {
     "id_column": "id",
 }
 SORT_OF_CLEVR_CAPTION_COLUMNS = {"image_column": "image", "text_column": "caption", "id_column": "id"}
+# Fashion-MNIST's rows have the same columns as Sort-of-CLEVR's.
+GENERATED = {"sort_of_clevr": load_sort_of_clevr, "fashion_mnist": load_fashion_mnist}
 TEXT_TYPES = ("string", "large_string")
 
 
@@ -97,10 +108,11 @@ def load_arrow_data(model_args: ModelArguments, data_args: DataArguments, traini
 def arrow_tokenizer_texts(data: TrainingData, data_args: DataArguments) -> list[str]:
     """The texts a tokenizer trained for this run learns its vocabulary from: the training texts."""
     texts = list(data.datasets["train"][data_args.text_column])
-    if data_args.dataset == "sort_of_clevr":
+    vocabulary = {"sort_of_clevr": sort_of_clevr_texts, "fashion_mnist": fashion_mnist_texts}.get(data_args.dataset)
+    if vocabulary is not None:
         # Its vocabulary is fixed by the generator: a tokenizer trained on captions then covers the questions it is
         # fine-tuned on, and the other way round.
-        texts += sort_of_clevr_texts()
+        texts += vocabulary()
     return texts
 
 
@@ -157,11 +169,12 @@ ARROW = DataPath(
 def load_raw_datasets(data_args: DataArguments, seed: int = 42, task: str = "vqa") -> DatasetDict:
     """
     The training pairs and, when there are any, the evaluation pairs, as a `DatasetDict` with `train` / `eval`.
-    `sort_of_clevr` gives its questions for vqa / classify and its captions (one per image) for pretrain.
+    `sort_of_clevr` and `fashion_mnist` give their questions for vqa / classify and their captions (one per image) for
+    pretrain.
     """
-    if data_args.dataset_options and data_args.dataset != "sort_of_clevr":
-        raise ValueError(f"--dataset_options is for --dataset sort_of_clevr, not {data_args.dataset!r}.")
-    if data_args.dataset in ("easy_vqa", "sort_of_clevr"):
+    if data_args.dataset_options and data_args.dataset not in GENERATED:
+        raise ValueError(f"--dataset_options is for --dataset {' / '.join(GENERATED)}, not {data_args.dataset!r}.")
+    if data_args.dataset in ("easy_vqa", *GENERATED):
         splits = [data_args.train_split] + ([data_args.eval_split] if data_args.eval_split else [])
         if data_args.dataset == "easy_vqa":
             raw, columns = load_easy_vqa(splits), EASY_VQA_COLUMNS
@@ -170,14 +183,16 @@ def load_raw_datasets(data_args: DataArguments, seed: int = 42, task: str = "vqa
         else:
             options = parse_overrides(data_args.dataset_options, flag="--dataset_options")
             captions = task == "pretrain"
-            known = set(inspect.signature(load_sort_of_clevr).parameters) - {"splits", "rows"}
+            load = GENERATED[data_args.dataset]
+            known = set(inspect.signature(load).parameters) - {"splits", "rows"}
             unknown = sorted(set(options) - known)
             if unknown:
                 raise ValueError(f"--dataset_options: unknown option(s) {unknown}; the options are {sorted(known)}.")
-            raw = load_sort_of_clevr(splits, rows="captions" if captions else "questions", **options)
+            raw = load(splits, rows="captions" if captions else "questions", **options)
             columns = SORT_OF_CLEVR_CAPTION_COLUMNS if captions else SORT_OF_CLEVR_COLUMNS
             if not captions and data_args.eval_group_columns is None:
-                data_args.eval_group_columns = "question_type,question_family"
+                groups = {"sort_of_clevr": "question_type,question_family", "fashion_mnist": "question_type"}
+                data_args.eval_group_columns = groups[data_args.dataset]
         for key, value in columns.items():
             if getattr(data_args, key) is None:
                 setattr(data_args, key, value)
