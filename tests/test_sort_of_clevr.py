@@ -192,6 +192,8 @@ def test_shipped_recipes_parse(name):
     assert model_args.task == ("pretrain" if name.endswith("pretrain") else "vqa")
     if name.endswith("pretrain"):
         assert training_args.gradient_accumulation_steps == 4 and training_args.itc_grad_cache
+    if name in ("sort_of_clevr_pretrain", "sort_of_clevr_short"):  # as measured; scripts/train.py's default is one
+        assert model_args.vision_tower == "vit" and model_args.fusion_layers == 2
 
 
 def test_hierarchical_recipe_launches_the_model_it_describes(tmp_path):

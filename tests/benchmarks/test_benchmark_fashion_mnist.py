@@ -33,13 +33,14 @@ def count_by_hand(model_dir, photos, products, captions) -> tuple[float, dict]:
     prompts = [text(ZERO_SHOT_TEMPLATE.format(name)) for name in CLASS_NAMES]
     zero_shot = np.mean([int(np.argmax([float(i @ p) for p in prompts])) == y for i, y in zip(images, products)])
     texts = [text(c) for c in captions]
+    distinct = [captions.index(c) for c in dict.fromkeys(captions)]  # each distinct caption text's first row
     recall = {}
     for k in (1, 5):
         hits_t2i = hits_i2t = 0
         for j in range(len(photos)):
             by_photo = sorted(range(len(photos)), key=lambda i: -float(texts[j] @ images[i]))[:k]
             hits_t2i += any(products[i] == products[j] for i in by_photo)
-            by_caption = sorted(range(len(captions)), key=lambda i: -float(texts[i] @ images[j]))[:k]
+            by_caption = sorted(distinct, key=lambda i: -float(texts[i] @ images[j]))[:k]  # distinct texts
             hits_i2t += any(products[i] == products[j] for i in by_caption)
         recall[f"text_to_image_R@{k}"] = hits_t2i / len(photos)
         recall[f"image_to_text_R@{k}"] = hits_i2t / len(photos)
