@@ -152,3 +152,19 @@ def test_the_debian_package_files():
     buffer = io.BytesIO()
     row["image"].save(buffer, format="PNG")
     assert Image.open(buffer).size == (28, 28)
+
+
+@pytest.mark.parametrize("name", ["fashion_mnist_classify", "fashion_mnist_pretrain"])
+def test_shipped_recipes_parse(name):
+    """The settings the results were measured with (tests/benchmarks/test_benchmark_fashion_mnist.py launches both)."""
+    from pathlib import Path
+
+    from mm_fusion.training import parse_arguments
+
+    config = Path(__file__).resolve().parents[1] / "scripts" / "configs" / f"{name}.yaml"
+    model_args, data_args, training_args = parse_arguments([str(config)])
+    assert data_args.dataset == "fashion_mnist" and model_args.vision_tower == "resnet"
+    classify = name.endswith("classify")
+    assert model_args.task == ("classify" if classify else "pretrain")
+    assert data_args.image_size == (48 if classify else 32)
+    assert training_args.num_train_epochs == (2.5 if classify else 5)
