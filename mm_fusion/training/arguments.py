@@ -172,15 +172,16 @@ class DataArguments:
         default="easy_vqa",
         metadata={
             "help": "easy_vqa (bundled, offline), sort_of_clevr (relational VQA and captions, generated offline; "
-            "see mm_fusion.data.load_sort_of_clevr), a json/jsonl/csv file of pairs, an imagefolder directory with "
-            "metadata.jsonl, or a hub dataset name."
+            "see mm_fusion.data.load_sort_of_clevr), fashion_mnist (real product photos with questions or captions, "
+            "from Debian's dataset-fashion-mnist; mm_fusion.data.load_fashion_mnist), a json/jsonl/csv file of pairs, "
+            "an imagefolder directory with metadata.jsonl, or a hub dataset name."
         },
     )
     dataset_options: str | None = field(
         default=None,
         metadata={
-            "help": "sort_of_clevr: generator options as key=value,key=value (e.g. num_train_images=5000,seed=1); "
-            "the arguments of mm_fusion.data.load_sort_of_clevr."
+            "help": "sort_of_clevr / fashion_mnist: options as key=value,key=value (num_train_images=5000,seed=1; "
+            "root=DIR,max_images=1000): the arguments of mm_fusion.data.load_sort_of_clevr / load_fashion_mnist."
         },
     )
     eval_group_columns: str | None = field(

@@ -42,8 +42,23 @@ SORT_OF_CLEVR_COLUMNS = {
     "id_column": "id",
 }
 SORT_OF_CLEVR_CAPTION_COLUMNS = {"image_column": "image", "text_column": "caption", "id_column": "id"}
-# Fashion-MNIST's rows have the same columns as Sort-of-CLEVR's.
-GENERATED = {"sort_of_clevr": load_sort_of_clevr, "fashion_mnist": load_fashion_mnist}
+
+
+@dataclass(frozen=True)
+class BuiltInDataset:
+    """A data set `--dataset NAME` builds offline: its loader (`splits`, `rows`, then `--dataset_options`), every text
+    its generator writes (for a tokenizer trained on one kind of row), and the columns its evaluation is reported per.
+    Its rows have Sort-of-CLEVR's columns."""
+
+    load: Callable
+    vocabulary: Callable[[], list[str]]
+    eval_group_columns: str
+
+
+GENERATED = {
+    "sort_of_clevr": BuiltInDataset(load_sort_of_clevr, sort_of_clevr_texts, "question_type,question_family"),
+    "fashion_mnist": BuiltInDataset(load_fashion_mnist, fashion_mnist_texts, "question_type"),
+}
 TEXT_TYPES = ("string", "large_string")
 
 
@@ -108,11 +123,10 @@ def load_arrow_data(model_args: ModelArguments, data_args: DataArguments, traini
 def arrow_tokenizer_texts(data: TrainingData, data_args: DataArguments) -> list[str]:
     """The texts a tokenizer trained for this run learns its vocabulary from: the training texts."""
     texts = list(data.datasets["train"][data_args.text_column])
-    vocabulary = {"sort_of_clevr": sort_of_clevr_texts, "fashion_mnist": fashion_mnist_texts}.get(data_args.dataset)
-    if vocabulary is not None:
+    if data_args.dataset in GENERATED:
         # Its vocabulary is fixed by the generator: a tokenizer trained on captions then covers the questions it is
         # fine-tuned on, and the other way round.
-        texts += vocabulary()
+        texts += GENERATED[data_args.dataset].vocabulary()
     return texts
 
 
@@ -183,7 +197,7 @@ def load_raw_datasets(data_args: DataArguments, seed: int = 42, task: str = "vqa
         else:
             options = parse_overrides(data_args.dataset_options, flag="--dataset_options")
             captions = task == "pretrain"
-            load = GENERATED[data_args.dataset]
+            load = GENERATED[data_args.dataset].load
             known = set(inspect.signature(load).parameters) - {"splits", "rows"}
             unknown = sorted(set(options) - known)
             if unknown:
@@ -191,8 +205,7 @@ def load_raw_datasets(data_args: DataArguments, seed: int = 42, task: str = "vqa
             raw = load(splits, rows="captions" if captions else "questions", **options)
             columns = SORT_OF_CLEVR_CAPTION_COLUMNS if captions else SORT_OF_CLEVR_COLUMNS
             if not captions and data_args.eval_group_columns is None:
-                groups = {"sort_of_clevr": "question_type,question_family", "fashion_mnist": "question_type"}
-                data_args.eval_group_columns = groups[data_args.dataset]
+                data_args.eval_group_columns = GENERATED[data_args.dataset].eval_group_columns
         for key, value in columns.items():
             if getattr(data_args, key) is None:
                 setattr(data_args, key, value)
