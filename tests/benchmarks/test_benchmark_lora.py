@@ -26,13 +26,14 @@ def test_tiny_run_compares_lora_with_full_fine_tuning(tmp_path, tester):
     assert set(trials) == {"full", "lora"} and report["runs_at_once"] == 2
     full, lora = trials["full"], trials["lora"]
     assert full["trainable_parameters"] == full["parameters"]
-    assert 0 < lora["trainable_parameters"] < full["trainable_parameters"] / 5
+    # the adapters, the head and the fusion block (as wide as MiniLM: 384), against the whole model
+    assert 0 < lora["trainable_parameters"] < full["trainable_parameters"] / 3
     assert (
         "--lora_r 4" in lora["command"]
         and full["saved_file"] == "model.safetensors"
         and lora["saved_file"] == "adapter_model.safetensors"
     )
-    assert 0 < lora["saved_mib"] < full["saved_mib"] / 5  # MiniLM's frozen weights are not in the adapter
+    assert 0 < lora["saved_mib"] < full["saved_mib"] / 3  # the towers' frozen weights are not in the adapter
     for t in trials.values():
         assert [e["step"] for e in t["curve"]] == [1, 2] and 0 <= t["best_accuracy"] <= 1
         assert t["peak_memory_mib"] > 0 and t["train_s"] > 0 and ("--lora" in t["command"].split()) == (t is lora)
