@@ -19,6 +19,11 @@ towers and trains the fusion block they are composed with, which starts from ran
 only moves it in a low-rank subspace). Pretraining's `logit_scale` is a lone parameter that peft cannot save, so it
 stays at its starting value.
 
+`--lora` turns on gradient checkpointing (`--lora_gradient_checkpointing`, default True): the frozen towers keep as
+many activations for the backward as full fine-tuning does (each adapter's `lora_A` keeps its layer's input, the
+tensor a trained Linear keeps for its own gradient), so without it the adapters save only the optimizer states and
+gradients of the frozen weights (scripts/benchmarks/README.md, `benchmark_lora_memory.py`).
+
 A run's `--output_dir` holds the model it started from (`config.json`, `model.safetensors`, the processor and code)
 and the adapter beside it (`adapter_config.json`, `adapter_model.safetensors`): `from_pretrained` and `pipeline(...)`
 load the two together (transformers' peft integration), and [`merge_lora`] folds the adapter into the weights

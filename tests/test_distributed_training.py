@@ -1,5 +1,6 @@
 """Training across 2 processes (torchrun, gloo on CPU) equals training in one process with the same global batch."""
 
+import importlib.util
 import json
 from pathlib import Path
 
@@ -37,6 +38,24 @@ def test_two_ranks_train_like_one_process_with_twice_the_batch(runs):
     assert moved > 1e-3
     for name, value in one[0]["state_dict"].items():
         torch.testing.assert_close(two[0]["state_dict"][name], value, rtol=0, atol=2e-5, msg=f"{task}: {name}")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("peft") is None, reason="needs peft")
+def test_lora_on_two_ranks_trains_like_one_process_with_twice_the_batch(tmp_path):
+    """`--lora` across 2 processes: the adapters and what trains fully end as one process with the global batch leaves
+    them, identical on both ranks, and the frozen weights do not move."""
+    two = launch(tmp_path / "two", "vqa-lora", processes=2, batch_size=8)
+    one = launch(tmp_path / "one", "vqa-lora", processes=1, batch_size=16)
+    assert two[0]["world_size"] == 2 and len(one[0]["losses"]) == len(two[0]["losses"]) == 4
+    torch.testing.assert_close(torch.tensor(two[0]["losses"]), torch.tensor(one[0]["losses"]), rtol=1e-5, atol=1e-6)
+    initial, final = one[0]["initial_state_dict"], one[0]["state_dict"]
+    adapters = [k for k in final if "lora_" in k]
+    assert adapters and max((final[k] - initial[k]).abs().max().item() for k in adapters) > 1e-3
+    frozen = [k for k in final if "lora_" not in k and "modules_to_save" not in k]
+    assert frozen and all(torch.equal(final[k], initial[k]) for k in frozen)
+    for name, value in final.items():
+        torch.testing.assert_close(two[0]["state_dict"][name], value, rtol=0, atol=2e-5, msg=name)
+        assert torch.equal(two[1]["state_dict"][name], two[0]["state_dict"][name]), name
 
 
 def test_without_the_gather_two_ranks_train_differently(tmp_path):

@@ -202,3 +202,34 @@ def test_pretraining_adapter_serves_the_trained_embeddings(tmp_path):
         torch.testing.assert_close(merged(**batch, return_loss=False).image_embeds, trained, atol=1e-5, rtol=0)
     scores = pipeline("zero-shot-image-classification", model=str(out))(images()[0], candidate_labels=["a", "b"])
     assert len(scores) == 2
+
+
+def trained_state(trainer) -> dict:
+    return {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+
+
+def test_a_lora_run_resumed_from_its_checkpoint_ends_as_the_uninterrupted_run(tmp_path):
+    """`--lora --resume_from_checkpoint`: the checkpoint holds the adapter and what trains fully, not the frozen
+    weights; the resumed run rebuilds the same starting model, loads them and its optimizer, and ends with the
+    uninterrupted run's weights and losses."""
+    flags = [*TINY, "--lora", "--lora_r", "4", "--learning_rate", "0.01", "--max_steps", "4", "--save_steps", "2",
+             "--save_strategy", "steps", "--max_train_samples", "64", "--eval_strategy", "no", "--dropout", "0",
+             "--seed", "3"]  # fmt: skip
+    whole = setup_run(["--output_dir", str(tmp_path / "whole"), *flags])
+    whole.train()
+    checkpoint = tmp_path / "whole" / "checkpoint-2"
+    assert (checkpoint / "adapter_model.safetensors").is_file() and not (checkpoint / "model.safetensors").exists()
+    with safe_open(checkpoint / "adapter_model.safetensors", "pt") as saved:
+        keys = list(saved.keys())
+    assert any("lora_A" in k for k in keys) and not any("original_module" in k for k in keys)
+    resumed = setup_run(
+        ["--output_dir", str(tmp_path / "resumed"), *flags, "--resume_from_checkpoint", str(checkpoint)]
+    )
+    resumed.train(resume_from_checkpoint=str(checkpoint))
+    assert resumed.state.global_step == whole.state.global_step == 4
+    losses = [[h["loss"] for h in t.state.log_history if "loss" in h and h["step"] > 2] for t in (whole, resumed)]
+    assert len(losses[0]) == 2 and losses[0] == pytest.approx(losses[1], rel=1e-5)
+    end, again = trained_state(whole), trained_state(resumed)
+    assert end.keys() == again.keys()
+    for name, value in end.items():
+        torch.testing.assert_close(again[name], value, rtol=1e-5, atol=1e-6, msg=name)

@@ -142,6 +142,15 @@ class ModelArguments:
     lora_r: int = field(default=8, metadata={"help": "--lora: the adapters' rank."})
     lora_alpha: int = field(default=16, metadata={"help": "--lora: the adapters' scale numerator (scale alpha / r)."})
     lora_dropout: float = field(default=0.0, metadata={"help": "--lora: dropout on the adapters' input."})
+    lora_gradient_checkpointing: bool = field(
+        default=True,
+        metadata={
+            "help": "--lora: turn on --gradient_checkpointing (recompute the layers' activations in the backward "
+            "instead of keeping them). The frozen towers keep as many activations as full fine-tuning does, so "
+            "without it LoRA saves only the optimizer states and gradients of the frozen weights "
+            "(scripts/benchmarks/results/lora_memory.md). False: faster steps, more memory."
+        },
+    )
 
     def __post_init__(self):
         if self.task not in TASKS:
@@ -489,7 +498,8 @@ def settle_arguments(
     The rules across the three groups of arguments, in one place, applied after parsing (each dataclass checks its
     own fields in `__post_init__`): the launch checked against this machine; the defaults that follow from the task and
     the data path (`group_by_image`, the retrieval labels of pretraining, the metric early stopping watches); what a
-    streaming run needs; and the checkpoint to resume from, found and checked (`last`: the newest complete one).
+    streaming run needs; gradient checkpointing for `--lora` (`--lora_gradient_checkpointing`); and the checkpoint to
+    resume from, found and checked (`last`: the newest complete one).
     Changes the arguments in place and returns them.
     """
     check_launch(training_args)
@@ -508,6 +518,8 @@ def settle_arguments(
         training_args.greater_is_better = True
     if data_args.streaming:
         check_streaming(model_args, data_args, training_args)
+    if model_args.lora and model_args.lora_gradient_checkpointing:
+        training_args.gradient_checkpointing = True
     training_args.resume_from_checkpoint = resolve_resume_checkpoint(
         training_args.resume_from_checkpoint, training_args.output_dir
     )

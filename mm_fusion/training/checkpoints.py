@@ -19,6 +19,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, sort_checkpoints
 
 logger = logging.getLogger(__name__)
 
+ADAPTER_FILES = ("adapter_model.safetensors", "adapter_config.json")
 WEIGHT_FILES = (
     "model.safetensors",
     "model.safetensors.index.json",
@@ -53,8 +54,10 @@ def checkpoint_problem(checkpoint: str | os.PathLike) -> str | None:
     except (ValueError, KeyError, TypeError) as err:
         return f"{state} is not a complete trainer state ({type(err).__name__}: {err})"
     sharded = any(path.glob("pytorch_model_fsdp*")) or any(path.glob("global_step*"))  # FSDP / DeepSpeed layouts
-    if not sharded and not any((path / name).is_file() for name in WEIGHT_FILES):
-        return f"{path} has no model weights ({' or '.join(WEIGHT_FILES[::2])})"
+    adapter = all((path / name).is_file() for name in ADAPTER_FILES)  # a --lora run's: Trainer's peft loader reads it
+    if not sharded and not adapter and not any((path / name).is_file() for name in WEIGHT_FILES):
+        files = " or ".join(WEIGHT_FILES[::2])
+        return f"{path} has no model weights ({files}, or a LoRA adapter: {' and '.join(ADAPTER_FILES)})"
     for file in sorted(path.glob("*.safetensors")):
         try:
             with safe_open(file, framework="pt") as weights:

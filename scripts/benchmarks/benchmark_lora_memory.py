@@ -8,8 +8,9 @@ Each recipe runs in a fresh process (`scripts/train.py`'s `setup_run`), one afte
 malloc as it comes, and with `MALLOC_MMAP_THRESHOLD_` fixed at 64 KiB, where every block over that size is a mapping
 of its own, given back when freed, so the process's RSS follows the tensors alive (the analogue of a GPU's
 `max_memory_allocated`; as it comes, glibc keeps freed blocks in its heaps and the RSS also holds what they left).
-Recipes: `full` (every weight trains), `lora` (`--lora`: adapters on both towers, the fusion block and the head
-trained fully), and each again with `--gradient_checkpointing True` (`+ckpt`).
+Recipes: `full` (every weight trains), `lora` (`--lora --lora_gradient_checkpointing False`: adapters on both towers,
+the fusion block and the head trained fully), and each again with gradient checkpointing (`+ckpt`:
+`--gradient_checkpointing True`; for LoRA `--lora` as it comes, which turns it on).
 
 Reported per recipe: the parameters (trainable of all), the process's peak RSS and its growth over the built model,
 the ratio of the peak to `full`'s under the same allocator, seconds per optimizer step, and what held memory: the
@@ -139,9 +140,9 @@ def run_trial(payload: dict) -> dict:
     # Questions drawn at random from 2,000 (easy-VQA has about 2 per image): a batch's images are nearly all distinct
     # (the images a batch holds are reported), as a batch of 16 images.
     argv += ["--group_by_image", "False", "--max_train_samples", "2000"]
-    if recipe.startswith("lora"):
-        argv += ["--lora"]
-    if recipe.endswith("+ckpt"):
+    if recipe.startswith("lora"):  # --lora turns checkpointing on by default (--lora_gradient_checkpointing)
+        argv += ["--lora"] if recipe.endswith("+ckpt") else ["--lora", "--lora_gradient_checkpointing", "False"]
+    elif recipe.endswith("+ckpt"):
         argv += ["--gradient_checkpointing", "True"]
     trainer = setup_run(argv)
     model = trainer.model
@@ -161,6 +162,7 @@ def run_trial(payload: dict) -> dict:
         "recipe": recipe,
         "command": "scripts/train.py " + " ".join(argv[2:]),
         "torch_threads": torch.get_num_threads(),
+        "gradient_checkpointing": trainer.args.gradient_checkpointing,
         "parameters": sum(p.numel() for _, p in named),
         "trainable_parameters": trainable,
         "peft_original_copies": copies,

