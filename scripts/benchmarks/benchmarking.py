@@ -305,6 +305,13 @@ def median_range(stat: dict | None, digits: int = 0, scale: float = 1.0) -> str:
     return mid if stat["min"] == stat["max"] else f"{mid} ({low}–{high})"
 
 
+def check_choices(given: list[str], known: tuple[str, ...] | dict, what: str) -> None:
+    """A benchmark's list argument (`what`: its name) holds only `known` values; else a ValueError naming them."""
+    unknown = sorted(set(given) - set(known))
+    if unknown:
+        raise ValueError(f"Unknown {what} {unknown}; choose from {list(known)}.")
+
+
 def markdown_table(header: list[str], rows: list[list]) -> str:
     """A markdown table of `rows` (cells as given, str() of each) under `header`."""
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
