@@ -73,6 +73,15 @@ def test_only_adapters_heads_and_batchnorm_train(lora_run):
     assert config["r"] == 4 and "classifier" in config["modules_to_save"]
 
 
+def test_lora_trains_with_activation_checkpointing_unless_told_not_to(lora_run, tmp_path):
+    trainer, _ = lora_run
+    assert trainer.args.activation_checkpointing and trainer.model.get_base_model().is_gradient_checkpointing
+    flags = [*LORA_RUN, "--lora_gradient_checkpointing", "False", "--max_train_samples", "16"]
+    trainer = setup_run(["--output_dir", str(tmp_path / "out"), *flags])
+    trainer.train()
+    assert not trainer.args.activation_checkpointing and not trainer.model.get_base_model().is_gradient_checkpointing
+
+
 def test_served_adapter_gives_the_trained_models_outputs(lora_run):
     trainer, out = lora_run
     batch = inputs(out)

@@ -701,7 +701,7 @@ def test_pretrained_towers_are_read_at_their_own_last_layers_and_every_layer_tra
     checkpointing too."""
     vision, text = pretrained_towers
     flags = ["--vision_model_name_or_path", vision, "--text_model_name_or_path", text, "--max_train_samples", "16",
-             "--gradient_checkpointing", str(gradient_checkpointing), "--save_strategy", "no"]  # fmt: skip
+             "--activation_checkpointing", str(gradient_checkpointing), "--save_strategy", "no"]  # fmt: skip
     trainer = setup_run(["--output_dir", str(tmp_path / "out"), *TINY, *flags])
     config = trainer.model.config
     assert (config.vision_bridge_layers, config.text_bridge_layers) == ([4], [3])
@@ -712,7 +712,7 @@ def test_pretrained_towers_are_read_at_their_own_last_layers_and_every_layer_tra
     )
     model = trainer.model.train()
     if gradient_checkpointing:
-        model.gradient_checkpointing_enable(trainer.args.gradient_checkpointing_kwargs)
+        model.gradient_checkpointing_enable(trainer.args.activation_checkpointing_kwargs)
     trainer.compute_loss(model, trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))).backward()
     untrained = [n for n, p in model.named_parameters() if p.requires_grad and (p.grad is None or not p.grad.any())]
     assert not untrained

@@ -145,7 +145,7 @@ class ModelArguments:
     lora_gradient_checkpointing: bool = field(
         default=True,
         metadata={
-            "help": "--lora: turn on --gradient_checkpointing (recompute the layers' activations in the backward "
+            "help": "--lora: turn on --activation_checkpointing (recompute the layers' activations in the backward "
             "instead of keeping them). The frozen towers keep as many activations as full fine-tuning does, so "
             "without it LoRA saves only the optimizer states and gradients of the frozen weights "
             "(scripts/benchmarks/results/lora_memory.md). False: faster steps, more memory."
@@ -519,7 +519,9 @@ def settle_arguments(
     if data_args.streaming:
         check_streaming(model_args, data_args, training_args)
     if model_args.lora and model_args.lora_gradient_checkpointing:
-        training_args.gradient_checkpointing = True
+        # Trainer reads `activation_checkpointing` (transformers 5.x; `gradient_checkpointing` is its deprecated alias,
+        # resolved once when the arguments are made, so setting the alias now would do nothing).
+        training_args.activation_checkpointing = training_args.gradient_checkpointing = True
     training_args.resume_from_checkpoint = resolve_resume_checkpoint(
         training_args.resume_from_checkpoint, training_args.output_dir
     )

@@ -10,7 +10,7 @@ of its own, given back when freed, so the process's RSS follows the tensors aliv
 `max_memory_allocated`; as it comes, glibc keeps freed blocks in its heaps and the RSS also holds what they left).
 Recipes: `full` (every weight trains), `lora` (`--lora --lora_gradient_checkpointing False`: adapters on both towers,
 the fusion block and the head trained fully), and each again with gradient checkpointing (`+ckpt`:
-`--gradient_checkpointing True`; for LoRA `--lora` as it comes, which turns it on).
+`--activation_checkpointing True`; for LoRA `--lora` as it comes, which turns it on).
 
 Reported per recipe: the parameters (trainable of all), the process's peak RSS and its growth over the built model,
 the ratio of the peak to `full`'s under the same allocator, seconds per optimizer step, and what held memory: the
@@ -144,7 +144,7 @@ def run_trial(payload: dict) -> dict:
     if recipe.startswith("lora"):  # --lora turns checkpointing on by default (--lora_gradient_checkpointing)
         argv += ["--lora"] if recipe.endswith("+ckpt") else ["--lora", "--lora_gradient_checkpointing", "False"]
     elif recipe.endswith("+ckpt"):
-        argv += ["--gradient_checkpointing", "True"]
+        argv += ["--activation_checkpointing", "True"]
     trainer = setup_run(argv)
     model = trainer.model
     built_mib = proc_status_kib("VmRSS") / 2**10
@@ -163,7 +163,7 @@ def run_trial(payload: dict) -> dict:
         "recipe": recipe,
         "command": "scripts/train.py " + " ".join(argv[2:]),
         "torch_threads": torch.get_num_threads(),
-        "gradient_checkpointing": trainer.args.gradient_checkpointing,
+        "gradient_checkpointing": trainer.args.activation_checkpointing,
         "parameters": sum(p.numel() for _, p in named),
         "trainable_parameters": trainable,
         "peft_original_copies": copies,

@@ -51,5 +51,8 @@ def test_tiny_run_compares_recipes_under_both_allocators(tmp_path):
         # 4 questions; an image they share is encoded once
         assert 1 <= t["pixels_per_batch"][0] <= 4 and t["pixels_per_batch"][1:] == [3, 32, 32]
         assert t["gradients_and_optimizer_mib"] == pytest.approx(12 * t["trainable_parameters"] / 2**20, abs=0.1)
+    for allocator in benchmark_lora_memory.ALLOCATORS:  # checkpointing took effect: fewer activations kept
+        full, lora = (trials[allocator, r]["saved_for_backward_mib"] for r in ("full", "lora+ckpt"))
+        assert lora < full / 2
     table = output.with_suffix(".md").read_text()
     assert table.count("| full |") == 2 and "| 1.00 |" in table and "| lora+ckpt |" in table
