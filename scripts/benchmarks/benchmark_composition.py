@@ -48,7 +48,7 @@ class CompositionArguments:
     image_sizes: list[int] = field(default_factory=lambda: [64, 96, 128])
     seeds: list[int] = field(default_factory=lambda: [0, 1])
     fashion_mnist_images: int = field(default=1000, metadata={"help": "Fashion-MNIST training photos."})
-    easy_vqa_images: int = field(default=400, metadata={"help": "easy-VQA training images (10% of its 4,000)."})
+    easy_vqa_images: int = field(default=400, metadata={"help": "easy-VQA training images (10%% of its 4,000)."})
     budget_s: float = field(default=240.0, metadata={"help": "Seconds of training each run gets."})
     eval_every: int = field(default=100, metadata={"help": "Optimizer steps between evaluations."})
     eval_questions: int = field(default=2000, metadata={"help": "The first N test questions evaluate."})
