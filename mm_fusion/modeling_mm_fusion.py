@@ -355,6 +355,38 @@ def eager_attention_forward(
     return attn_output, attn_weights
 
 
+def distinct_rows(*tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """For texts given as rows of `tensors` (input ids, mask, ...): `(rows, inverse)`, one row of each distinct text
+    and, for every text, its distinct text's place in `rows`; `(None, None)` when every text is distinct, for a single
+    text, and while tracing or exporting (the number of distinct texts depends on the data)."""
+    tensors = [t for t in tensors if t is not None]
+    if (
+        tensors[0].shape[0] < 2
+        or tensors[0].is_meta  # shapes only (the FLOP count): no values to compare
+        or torch.jit.is_tracing()
+        or torch.compiler.is_compiling()
+        or torch.compiler.is_exporting()
+        or torch.onnx.is_in_onnx_export()
+    ):
+        return None, None
+    key = torch.cat([t.reshape(t.shape[0], -1).long() for t in tensors], dim=1)
+    distinct, inverse = torch.unique(key, dim=0, return_inverse=True)
+    if distinct.shape[0] == key.shape[0]:
+        return None, None
+    rows = torch.empty(distinct.shape[0], dtype=torch.long, device=key.device)
+    rows.scatter_(0, inverse, torch.arange(key.shape[0], device=key.device))  # any one of equal texts
+    return rows, inverse
+
+
+def index_rows(value, index: torch.Tensor):
+    """`value[index]` for a tensor, element-wise for a tuple of tensors, anything else as it is."""
+    if isinstance(value, torch.Tensor):
+        return value[index]
+    if isinstance(value, tuple):
+        return tuple(index_rows(v, index) for v in value)
+    return value
+
+
 class MMFusionAttention(nn.Module):
     """
     Multi-head attention; keys may come from another modality. The implementation follows
@@ -920,6 +952,17 @@ class MMFusionModel(MMFusionVisionEncoder, MMFusionPreTrainedModel):
             self.pooled_dim = widths[config.joint_pooling] * config.fusion_hidden_size
         self.post_init()
 
+    def train(self, mode: bool = True):
+        """As `nn.Module.train`, except that a tower with no trainable parameter (frozen: `--freeze_vision_model` /
+        `--freeze_text_model`, or a tower left out of LoRA's parts) stays in eval mode: no dropout, and its
+        batch-norm statistics stay those it was trained with, as its weights do."""
+        super().train(mode)
+        if mode:
+            for tower in (self.vision_model, self.text_model):
+                if not any(p.requires_grad for p in tower.parameters()):
+                    tower.eval()
+        return self
+
     def encode_towers(
         self,
         pixel_values: torch.Tensor,
@@ -964,15 +1007,22 @@ class MMFusionModel(MMFusionVisionEncoder, MMFusionPreTrainedModel):
         """Run the text tower: its output, and the text features the fusion block reads (one per bridge layer for
         `"hierarchical"`, else the last hidden state)."""
         hierarchical = self.config.fusion_type == "hierarchical"
-        text_kwargs = {"token_type_ids": token_type_ids} if token_type_ids is not None else {}
+        # A tower in eval mode gives a text the same output in any batch: each distinct text is encoded once.
+        rows, inverse = (
+            distinct_rows(input_ids, attention_mask, token_type_ids) if not self.text_model.training else (None, None)
+        )
+        take = (lambda t: t) if rows is None else (lambda t: t[rows] if t is not None else None)
+        text_kwargs = {"token_type_ids": take(token_type_ids)} if token_type_ids is not None else {}
         text_out = self.text_model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
+            input_ids=take(input_ids),
+            attention_mask=take(attention_mask),
             output_attentions=output_attentions,
             output_hidden_states=hierarchical or output_hidden_states,
             return_dict=True,
             **text_kwargs,
         )
+        if rows is not None:
+            text_out = type(text_out)(**{key: index_rows(value, inverse) for key, value in text_out.items()})
         if not hierarchical:
             return text_out, [text_out.last_hidden_state]
         layers = self.config.text_bridge_layers

@@ -177,6 +177,31 @@ def test_shared_images_match_repeated_images(tester, fusion_type, direction):
     torch.testing.assert_close(shared, repeated, atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("fusion_type", FUSION_TYPES)
+def test_repeated_texts_are_encoded_once_with_each_texts_own_outputs(tester, fusion_type):
+    """A text tower in eval mode (evaluation, serving, a frozen tower in training) runs on the distinct texts of a
+    batch only; every output, the tower's hidden states and attentions too, equals each pair's own pass."""
+    model = _eager_copy(MMFusionForImageTextClassification(_small_config(tester, fusion_type)).eval())
+    inputs = tester.inputs(batch_size=4)
+    order = torch.tensor([2, 0, 2, 2])
+    inputs |= {"input_ids": inputs["input_ids"][order], "attention_mask": inputs["attention_mask"][order]}
+    texts = []
+    model.mm_fusion.text_model.register_forward_hook(
+        lambda module, args, kwargs, output: texts.append(kwargs["input_ids"].shape[0]), with_kwargs=True
+    )
+    with torch.no_grad():
+        together = _float_tensors(model(**inputs, output_hidden_states=True, output_attentions=True))
+        alone = [
+            _float_tensors(model(**{k: v[i : i + 1] for k, v in inputs.items()}, output_hidden_states=True,
+                                 output_attentions=True))
+            for i in range(4)
+        ]  # fmt: skip
+    assert texts == [2, 1, 1, 1, 1]
+    assert together.keys() == alone[0].keys() and {"text_hidden_states.1", "text_attentions.1"} <= together.keys()
+    for i in range(4):
+        _assert_close({name: value[i : i + 1] for name, value in together.items()}, alone[i])
+
+
 def test_text_to_image_fusion_has_no_image_stream_and_trains(tester):
     config = tester.config("hierarchical", fusion_direction="text_to_image")
     model = MMFusionForPretraining(config)

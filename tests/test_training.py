@@ -217,26 +217,51 @@ def test_gradient_accumulation_matches_the_full_batch(tmp_path):
         torch.testing.assert_close(weights[1][name], value, rtol=1e-4, atol=1e-6, msg=name)
 
 
-def test_text_tower_learning_rate_scale(tmp_path):
-    """`--text_tower_lr_scale 0.1`: the text tower's parameters (and only they) train at a tenth of the learning rate
-    through the whole schedule, their weight decay kept; every trainable parameter is in exactly one group."""
-    flags = ["--text_tower_lr_scale", "0.1", "--max_steps", "3", "--warmup_steps", "4", "--eval_strategy", "no",
+@pytest.mark.parametrize("role", ["vision", "text"])
+def test_tower_learning_rate_scale(tmp_path, role):
+    """`--text_tower_lr_scale 0.1` (`--vision_tower_lr_scale`): that tower's parameters (and only they) train at a
+    tenth of the learning rate through the whole schedule, their weight decay kept; every trainable parameter is in
+    exactly one group."""
+    flags = [f"--{role}_tower_lr_scale", "0.1", "--max_steps", "3", "--warmup_steps", "4", "--eval_strategy", "no",
              "--lr_scheduler_type", "constant_with_warmup", "--save_strategy", "no",
              "--learning_rate", "1e-3"]  # fmt: skip
     trainer = setup_run(["--output_dir", str(tmp_path / "out"), "--max_train_samples", "32", *TINY, *flags])
     trainer.train()
-    tower = {id(p) for p in trainer.model.mm_fusion.text_model.parameters()}
+    tower = {id(p) for p in getattr(trainer.model.mm_fusion, f"{role}_model").parameters()}
     groups = trainer.optimizer.param_groups
     placed = [id(p) for g in groups for p in g["params"]]
     assert sorted(placed) == sorted(id(p) for p in trainer.model.parameters() if p.requires_grad)
-    text = [g for g in groups if g["params"] and all(id(p) in tower for p in g["params"])]
+    scaled = [g for g in groups if g["params"] and all(id(p) in tower for p in g["params"])]
     rest = [g for g in groups if g["params"] and not any(id(p) in tower for p in g["params"])]
-    assert len(text) + len(rest) == len([g for g in groups if g["params"]])  # no group mixes the two
-    assert {g["weight_decay"] for g in text} == {g["weight_decay"] for g in rest} == {0.0, 0.01}
+    assert len(scaled) + len(rest) == len([g for g in groups if g["params"]])  # no group mixes the two
+    assert {g["weight_decay"] for g in scaled} == {g["weight_decay"] for g in rest} == {0.0, 0.01}
     assert rest[0]["lr"] == pytest.approx(0.75e-3)  # 3 steps into a 4-step warm-up
-    for group in text:
+    for group in scaled:
         assert group["lr"] == pytest.approx(0.1 * rest[0]["lr"])
         assert group["initial_lr"] == pytest.approx(1e-4)
+
+
+def test_frozen_towers_keep_their_weights_and_statistics(tmp_path):
+    """`--freeze_vision_model --freeze_text_model`: the towers' weights and batch-norm statistics (a ResNet tower's)
+    end as they began, and they have no optimizer states; they run in eval mode while the rest trains."""
+    flags = ["--vision_tower", "resnet", "--vision_widths", "8,16", "--freeze_vision_model", "True",
+             "--freeze_text_model", "True", "--max_steps", "3", "--eval_strategy", "no",
+             "--save_strategy", "no"]  # fmt: skip
+    trainer = setup_run(["--output_dir", str(tmp_path / "out"), "--max_train_samples", "32", *TINY, *flags])
+    towers = ("mm_fusion.vision_model.", "mm_fusion.text_model.")
+    before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    assert any("running_mean" in k for k in before if k.startswith(towers))
+    trainer.train()
+    after = trainer.model.state_dict()
+    changed = {k for k, v in before.items() if not torch.equal(v, after[k])}
+    assert changed and not any(k.startswith(towers) for k in changed)
+    assert any(k.startswith("mm_fusion.encoder.") for k in changed) and any(
+        k.startswith("classifier.") for k in changed
+    )
+    in_optimizer = {id(p) for g in trainer.optimizer.param_groups for p in g["params"]}
+    base = trainer.model.train().mm_fusion
+    assert not any(id(p) in in_optimizer for p in [*base.vision_model.parameters(), *base.text_model.parameters()])
+    assert base.encoder.training and not base.vision_model.training and not base.text_model.training
 
 
 def test_early_stopping_stops_and_keeps_the_best(tmp_path):
@@ -261,6 +286,8 @@ def test_early_stopping_stops_and_keeps_the_best(tmp_path):
         (["--task", "ocr"], "--task must be one of"),
         (["--fp16", "True"], "fp16 needs a GPU"),
         (["--text_tower_lr_scale", "0"], "text_tower_lr_scale must be > 0"),
+        (["--vision_tower_lr_scale", "-1"], "vision_tower_lr_scale must be > 0.*--freeze_vision_model"),
+        (["--lora", "True", "--freeze_text_model", "True"], "--lora already freezes every tower"),
     ],
 )
 def test_bad_configuration_gets_a_clear_error(tmp_path, bad, message):
@@ -701,7 +728,8 @@ def test_pretrained_towers_are_read_at_their_own_last_layers_and_every_layer_tra
     checkpointing too."""
     vision, text = pretrained_towers
     flags = ["--vision_model_name_or_path", vision, "--text_model_name_or_path", text, "--max_train_samples", "16",
-             "--activation_checkpointing", str(gradient_checkpointing), "--save_strategy", "no"]  # fmt: skip
+             "--activation_checkpointing", str(gradient_checkpointing), "--save_strategy", "no",
+             "--freeze_text_model", "False"]  # fmt: skip
     trainer = setup_run(["--output_dir", str(tmp_path / "out"), *TINY, *flags])
     config = trainer.model.config
     assert (config.vision_bridge_layers, config.text_bridge_layers) == ([4], [3])
@@ -724,3 +752,22 @@ def test_config_overrides_still_set_a_composed_models_bridges(tmp_path, pretrain
              "--config_overrides", "vision_bridge_layers=[2],fusion_hidden_size=16"]  # fmt: skip
     config = setup_run(["--output_dir", str(tmp_path / "out"), *TINY, *flags]).model.config
     assert (config.vision_bridge_layers, config.text_bridge_layers, config.fusion_hidden_size) == ([2], [3], 16)
+
+
+def test_a_pretrained_text_tower_is_frozen_unless_asked_or_adapted(tmp_path, pretrained_towers):
+    """The composition's default: a pretrained text tower is kept as it is (`--freeze_text_model`), the vision tower
+    trains; `--freeze_text_model False` trains it, and `--lora` leaves it to its adapters."""
+    vision, text = pretrained_towers
+    flags = ["--output_dir", str(tmp_path / "out"), *TINY, "--max_train_samples", "16",
+             "--vision_model_name_or_path", vision, "--text_model_name_or_path", text]  # fmt: skip
+
+    def trains(model, tower: str) -> set[bool]:
+        return {p.requires_grad for p in getattr(model.mm_fusion, f"{tower}_model").parameters()}
+
+    model = setup_run(flags).model
+    assert (trains(model, "vision"), trains(model, "text")) == ({True}, {False})
+    model = setup_run([*flags, "--freeze_text_model", "False"]).model
+    assert (trains(model, "vision"), trains(model, "text")) == ({True}, {True})
+    model_args, _, _ = parse([*flags, "--lora", "True"])
+    assert model_args.freeze_text_model is False
+    assert parse(flags[:-2])[0].freeze_text_model is False  # a text tower from scratch trains

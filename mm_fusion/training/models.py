@@ -4,6 +4,7 @@ training texts), the model (from an MMFusion checkpoint, from pretrained towers,
 from the size arguments) and the processor saved with it.
 """
 
+import logging
 import tempfile
 from pathlib import Path
 
@@ -18,6 +19,9 @@ from .arguments import DataArguments, ModelArguments
 from .data import TrainingData, parse_overrides
 
 
+logger = logging.getLogger(__name__)
+
+
 def build_model_and_processor(
     model_args: ModelArguments, data_args: DataArguments, training_args, data: TrainingData
 ) -> tuple:
@@ -28,6 +32,11 @@ def build_model_and_processor(
     model = build_model(model_args, tokenizer, data.labels, data_args.image_size or 64, data_args.max_length)
     if data.labels is not None:  # class ids: scores are read with a softmax, and the pipelines read this
         model.config.problem_type = "single_label_classification"
+    for role in ("vision", "text"):
+        if getattr(model_args, f"freeze_{role}_model"):
+            getattr(model.base_model, f"{role}_model").requires_grad_(
+                False
+            )  # eval mode in training: MMFusionModel.train
     image_size = input_image_size(model.config, data_args.image_size)
     processor = MMFusionProcessor(
         MMFusionImageProcessor(size={"height": image_size, "width": image_size}),

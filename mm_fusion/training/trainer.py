@@ -47,8 +47,8 @@ class MMFusionTrainer(
       `_load_from_checkpoint`, `_load_best_model`;
     - [`SaveOnEachNodeMixin`] (`checkpoints.py`): the weights on every node's disk with `save_on_each_node`: `_save`;
     - this class: `resume_from_checkpoint=True` as the newest complete checkpoint (`train`), `eval_data_collator` for
-      evaluation and prediction (`get_eval_dataloader`, `get_test_dataloader`), `text_tower_lr_scale`
-      (`create_optimizer`), and `model_card_writer`, which writes our card, on `push_to_hub` too
+      evaluation and prediction (`get_eval_dataloader`, `get_test_dataloader`), `vision_tower_lr_scale` /
+      `text_tower_lr_scale` (`create_optimizer`), and `model_card_writer`, which writes our card, on `push_to_hub` too
       (`create_model_card`).
 
     A private method is overridden only where Trainer has no public hook at that point; each unit says why. Everything
@@ -87,26 +87,34 @@ class MMFusionTrainer(
             self.data_collator = train_collator
 
     def create_optimizer(self, model=None):
-        """Trainer's optimizer, with the text tower's parameters in groups of their own at `text_tower_lr_scale` times
-        the learning rate (Trainer has one rate for every parameter; its scheduler then scales each group's own)."""
+        """Trainer's optimizer, with each tower's parameters in groups of their own at `vision_tower_lr_scale` /
+        `text_tower_lr_scale` times the learning rate (Trainer has one rate for every parameter; its scheduler then
+        scales each group's own)."""
         made_here = self.optimizer is None  # not one passed in through `optimizers`, nor one already split
         optimizer = super().create_optimizer(model)
-        scale = getattr(self.args, "text_tower_lr_scale", 1.0)
-        if scale == 1.0 or not made_here:
+        scales = {
+            tower: getattr(self.args, f"{role}_tower_lr_scale", 1.0)
+            for role, tower in (("vision", "vision_model"), ("text", "text_model"))
+        }
+        scales = {tower: scale for tower, scale in scales.items() if scale != 1.0}
+        if not scales or not made_here:
             return optimizer
         model = self.model if model is None else model
-        tower = getattr(getattr(model, model.base_model_prefix, model), "text_model", None)
-        if tower is None:
-            raise ValueError(
-                f"text_tower_lr_scale={scale} sets the learning rate of a text tower, but {type(model).__name__} has "
-                "no `text_model`."
-            )
-        text_ids = {id(p) for p in tower.parameters()}
-        for group in list(optimizer.param_groups):
-            text = [p for p in group["params"] if id(p) in text_ids]
-            if text:
-                group["params"] = [p for p in group["params"] if id(p) not in text_ids]
-                optimizer.add_param_group({**group, "params": text, "lr": group["lr"] * scale})
+        base = getattr(model, model.base_model_prefix, model)
+        for name, scale in scales.items():
+            tower = getattr(base, name, None)
+            if tower is None:
+                role = name.split("_")[0]
+                raise ValueError(
+                    f"{role}_tower_lr_scale={scale} sets the learning rate of a {role} tower, but "
+                    f"{type(model).__name__} has no `{name}`."
+                )
+            ids = {id(p) for p in tower.parameters()}
+            for group in list(optimizer.param_groups):
+                own = [p for p in group["params"] if id(p) in ids]
+                if own:
+                    group["params"] = [p for p in group["params"] if id(p) not in ids]
+                    optimizer.add_param_group({**group, "params": own, "lr": group["lr"] * scale})
         return optimizer
 
     def create_model_card(self, *args, **kwargs):

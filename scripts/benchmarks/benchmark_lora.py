@@ -86,6 +86,8 @@ def run_trial(payload: dict) -> dict:
     argv += ["--learning_rate", "3e-4", "--image_group_size", "2", "--fusion_layers", "2"]
     if payload["recipe"] == "lora":
         argv += shlex.split(payload["lora_args"])
+    else:  # full fine-tuning trains the text tower too (a pretrained one is frozen by default)
+        argv += ["--freeze_text_model", "False"]
     trainer = setup_run(argv)
     clock = TrainingClock(payload["target"], payload["budget_s"], payload["eval_every"], began)
     trainer.add_callback(clock)

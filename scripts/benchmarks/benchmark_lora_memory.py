@@ -143,8 +143,10 @@ def run_trial(payload: dict) -> dict:
     argv += ["--group_by_image", "False", "--max_train_samples", "2000"]
     if recipe.startswith("lora"):  # --lora turns checkpointing on by default (--lora_gradient_checkpointing)
         argv += ["--lora"] if recipe.endswith("+ckpt") else ["--lora", "--lora_gradient_checkpointing", "False"]
-    elif recipe.endswith("+ckpt"):
-        argv += ["--activation_checkpointing", "True"]
+    else:  # full fine-tuning trains the text tower too (a pretrained one is frozen by default)
+        argv += ["--freeze_text_model", "False"]
+        if recipe.endswith("+ckpt"):
+            argv += ["--activation_checkpointing", "True"]
     trainer = setup_run(argv)
     model = trainer.model
     built_mib = proc_status_kib("VmRSS") / 2**10
