@@ -33,10 +33,9 @@ def build_model_and_processor(
     if data.labels is not None:  # class ids: scores are read with a softmax, and the pipelines read this
         model.config.problem_type = "single_label_classification"
     for role in ("vision", "text"):
-        if getattr(model_args, f"freeze_{role}_model"):
-            getattr(model.base_model, f"{role}_model").requires_grad_(
-                False
-            )  # eval mode in training: MMFusionModel.train
+        if getattr(model_args, f"freeze_{role}_model"):  # and in eval mode while training: MMFusionModel.train
+            getattr(model.base_model, f"{role}_model").requires_grad_(False)
+            logger.info(f"The {role} tower is frozen (--freeze_{role}_model).")
     image_size = input_image_size(model.config, data_args.image_size)
     processor = MMFusionProcessor(
         MMFusionImageProcessor(size={"height": image_size, "width": image_size}),

@@ -92,22 +92,18 @@ class MMFusionTrainer(
         scales each group's own)."""
         made_here = self.optimizer is None  # not one passed in through `optimizers`, nor one already split
         optimizer = super().create_optimizer(model)
-        scales = {
-            tower: getattr(self.args, f"{role}_tower_lr_scale", 1.0)
-            for role, tower in (("vision", "vision_model"), ("text", "text_model"))
-        }
-        scales = {tower: scale for tower, scale in scales.items() if scale != 1.0}
+        scales = {role: getattr(self.args, f"{role}_tower_lr_scale", 1.0) for role in ("vision", "text")}
+        scales = {role: scale for role, scale in scales.items() if scale != 1.0}
         if not scales or not made_here:
             return optimizer
         model = self.model if model is None else model
         base = getattr(model, model.base_model_prefix, model)
-        for name, scale in scales.items():
-            tower = getattr(base, name, None)
+        for role, scale in scales.items():
+            tower = getattr(base, f"{role}_model", None)
             if tower is None:
-                role = name.split("_")[0]
                 raise ValueError(
                     f"{role}_tower_lr_scale={scale} sets the learning rate of a {role} tower, but "
-                    f"{type(model).__name__} has no `{name}`."
+                    f"{type(model).__name__} has no `{role}_model`."
                 )
             ids = {id(p) for p in tower.parameters()}
             for group in list(optimizer.param_groups):
