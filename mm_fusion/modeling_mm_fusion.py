@@ -955,12 +955,22 @@ class MMFusionModel(MMFusionVisionEncoder, MMFusionPreTrainedModel):
     def train(self, mode: bool = True):
         """As `nn.Module.train`, except that a tower with no trainable parameter (frozen: `--freeze_vision_model` /
         `--freeze_text_model`, or a tower left out of LoRA's parts) stays in eval mode: no dropout, and its
-        batch-norm statistics stay those it was trained with, as its weights do."""
+        batch-norm statistics stay those it was trained with, as its weights do. In a partly frozen tower
+        (`--freeze_vision_stages`), so do the batch norms whose weights are frozen."""
         super().train(mode)
         if mode:
             for tower in (self.vision_model, self.text_model):
                 if not any(p.requires_grad for p in tower.parameters()):
                     tower.eval()
+                    continue
+                for module in tower.modules():
+                    own = list(module.parameters(recurse=False))
+                    if (
+                        isinstance(module, nn.modules.batchnorm._BatchNorm)
+                        and own
+                        and not any(p.requires_grad for p in own)
+                    ):
+                        module.eval()
         return self
 
     def encode_towers(

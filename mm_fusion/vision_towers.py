@@ -330,6 +330,34 @@ def film_stages(tower: nn.Module, config: PretrainedConfig) -> nn.ModuleList:
     return found[0]
 
 
+def early_stage_parameters(tower: nn.Module, config: PretrainedConfig, count: int) -> list[nn.Parameter]:
+    """
+    The parameters that compute a backbone / convolutional tower's first `count` stages (indices `0 .. count - 1`, as
+    `vision_stages` counts them): those registered before its stage list ([`film_stages`]: the stem, ResNet's
+    embedder, MobileNetV2's `conv_stem`) and those of the list's entries up to stage `count - 1`.
+    """
+    if vision_tower_type(config) == "transformer":
+        raise ValueError(
+            f"Freezing the first stages is for a backbone / convolutional vision tower; {type(tower).__name__} is a "
+            "transformer tower (freeze it whole, or adapt it with --lora)."
+        )
+    total = num_stages(config)
+    if not 1 <= count <= total:
+        raise ValueError(
+            f"The vision tower has stages 0 to {total - 1}: the first 1 to {total} can be frozen, not {count}."
+        )
+    stages = film_stages(tower, config)
+    offset = 1 if vision_tower_type(config) == "backbone" else 0  # a backbone's stage 0 is its stem
+    in_list = {id(p) for p in stages.parameters()}
+    later = {id(p) for entry in stages[count - offset :] for p in entry.parameters()}
+    found, before_list = [], True
+    for parameter in tower.parameters():  # in registration order: the stem's come before the list's
+        before_list = before_list and id(parameter) not in in_list
+        if before_list or (id(parameter) in in_list and id(parameter) not in later):
+            found.append(parameter)
+    return found
+
+
 class MMFusionFiLMLinear(nn.Linear):
     """A FiLM map (text to scale and shift): a linear layer that the models initialise to zero."""
 

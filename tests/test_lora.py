@@ -130,6 +130,22 @@ def test_adapter_loads_with_remote_code_without_mm_fusion(lora_run, tmp_path):
     torch.testing.assert_close(torch.load(tmp_path / "out.pt"), logits(trainer.model, batch), rtol=0, atol=1e-6)
 
 
+def test_lora_has_its_own_default_learning_rate():
+    """`--lora` without `--learning_rate` trains at LoRA's rate (1e-3, the rate that won for it); a rate given on the
+    command line is kept, and a run without `--lora` keeps the default."""
+    from mm_fusion.training.arguments import DEFAULT_LEARNING_RATE, LORA_LEARNING_RATE
+
+    assert LORA_LEARNING_RATE != DEFAULT_LEARNING_RATE
+    _, _, lora = parse_arguments(["--output_dir", "x", "--lora", "True"])
+    assert lora.learning_rate == LORA_LEARNING_RATE
+    _, _, given = parse_arguments(
+        ["--output_dir", "x", "--lora", "True", "--learning_rate", str(DEFAULT_LEARNING_RATE)]
+    )
+    assert given.learning_rate == DEFAULT_LEARNING_RATE
+    _, _, full = parse_arguments(["--output_dir", "x"])
+    assert full.learning_rate == DEFAULT_LEARNING_RATE
+
+
 def test_lora_arguments_are_checked(tester):
     with pytest.raises(ValueError, match="--lora_parts takes some of vision, text, fusion"):
         parse_arguments(["--output_dir", "x", "--lora", "--lora_parts", "vision,audio"])

@@ -241,19 +241,26 @@ def test_tower_learning_rate_scale(tmp_path, role):
         assert group["initial_lr"] == pytest.approx(1e-4)
 
 
+def train_resnet_model(tmp_path, *flags) -> tuple:
+    """Three steps of a tiny model with a ResNet tower (batch norms) and `flags`: the trainer, its state before, and
+    the state-dict keys the steps changed."""
+    trainer = setup_run(["--output_dir", str(tmp_path / "out"), "--max_train_samples", "32", *TINY, "--vision_tower",
+                         "resnet", "--vision_widths", "8,16", "--max_steps", "3", "--eval_strategy", "no",
+                         "--save_strategy", "no", *flags])  # fmt: skip
+    before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    trainer.train()
+    after = trainer.model.state_dict()
+    return trainer, before, {k for k, v in before.items() if not torch.equal(v, after[k])}
+
+
 def test_frozen_towers_keep_their_weights_and_statistics(tmp_path):
     """`--freeze_vision_model --freeze_text_model`: the towers' weights and batch-norm statistics (a ResNet tower's)
     end as they began, and they have no optimizer states; they run in eval mode while the rest trains."""
-    flags = ["--vision_tower", "resnet", "--vision_widths", "8,16", "--freeze_vision_model", "True",
-             "--freeze_text_model", "True", "--max_steps", "3", "--eval_strategy", "no",
-             "--save_strategy", "no"]  # fmt: skip
-    trainer = setup_run(["--output_dir", str(tmp_path / "out"), "--max_train_samples", "32", *TINY, *flags])
+    trainer, before, changed = train_resnet_model(
+        tmp_path, "--freeze_vision_model", "True", "--freeze_text_model", "True"
+    )
     towers = ("mm_fusion.vision_model.", "mm_fusion.text_model.")
-    before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
     assert any("running_mean" in k for k in before if k.startswith(towers))
-    trainer.train()
-    after = trainer.model.state_dict()
-    changed = {k for k, v in before.items() if not torch.equal(v, after[k])}
     assert changed and not any(k.startswith(towers) for k in changed)
     assert any(k.startswith("mm_fusion.encoder.") for k in changed) and any(
         k.startswith("classifier.") for k in changed
@@ -262,6 +269,24 @@ def test_frozen_towers_keep_their_weights_and_statistics(tmp_path):
     base = trainer.model.train().mm_fusion
     assert not any(id(p) in in_optimizer for p in [*base.vision_model.parameters(), *base.text_model.parameters()])
     assert base.encoder.training and not base.vision_model.training and not base.text_model.training
+
+
+def test_frozen_first_vision_stages_keep_their_weights_and_statistics(tmp_path):
+    """`--freeze_vision_stages 2` on a ResNet tower: its stem and first stage (stages 0 and 1) keep their weights and
+    batch-norm statistics, in eval mode, with no optimizer states; its last stage trains."""
+    trainer, before, changed = train_resnet_model(tmp_path, "--freeze_vision_stages", "2")
+    early = ("mm_fusion.vision_model.embedder.", "mm_fusion.vision_model.encoder.stages.0.")
+    assert any("running_mean" in k for k in before if k.startswith(early))
+    assert not any(k.startswith(early) for k in changed)
+    last = "mm_fusion.vision_model.encoder.stages.1."
+    assert any(k.startswith(last) and "running_mean" in k for k in changed)
+    assert any(k.startswith(last) and k.endswith("weight") for k in changed)
+    in_optimizer = {id(p) for g in trainer.optimizer.param_groups for p in g["params"]}
+    vision = trainer.model.train().mm_fusion.vision_model
+    frozen = [p for n, p in vision.named_parameters() if n.startswith(("embedder.", "encoder.stages.0."))]
+    assert frozen and not any(id(p) in in_optimizer for p in frozen)
+    assert vision.training and not vision.embedder.embedder.normalization.training
+    assert vision.encoder.stages[1].training
 
 
 def test_early_stopping_stops_and_keeps_the_best(tmp_path):
@@ -288,6 +313,9 @@ def test_early_stopping_stops_and_keeps_the_best(tmp_path):
         (["--text_tower_lr_scale", "0"], "text_tower_lr_scale must be > 0"),
         (["--vision_tower_lr_scale", "-1"], "vision_tower_lr_scale must be > 0.*--freeze_vision_model"),
         (["--lora", "True", "--freeze_text_model", "True"], "--lora already freezes every tower"),
+        (["--freeze_vision_stages", "-1"], "--freeze_vision_stages must be 0 or more"),
+        (["--freeze_vision_stages", "1", "--freeze_vision_model", "True"], "drop it with --freeze_vision_model"),
+        (["--freeze_vision_stages", "1"], "is a transformer tower"),
     ],
 )
 def test_bad_configuration_gets_a_clear_error(tmp_path, bad, message):

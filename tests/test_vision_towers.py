@@ -16,6 +16,7 @@ from mm_fusion.vision_towers import (
     MMFusionConvStem,
     MMFusionFeatureMapTokens,
     coordinate_channels,
+    early_stage_parameters,
     sine_positions,
     vision_tower_type,
 )
@@ -253,6 +254,32 @@ def test_conv_stem_replaces_the_patchify(tester):
     keys = model.state_dict()
     assert "vision_model.embeddings.patch_embeddings.projection.layers.0.1.running_mean" in keys
     assert "vision_model.embeddings.patch_embeddings.projection.weight" not in keys
+
+
+def test_early_stage_parameters_are_the_stem_and_the_first_stages(tester):
+    """`--freeze_vision_stages N`'s parameters: stages 0 .. N-1 as `vision_stages` counts them. A backbone's stage 0 is
+    its stem; a feature-map tower's stage 0 is its first block's output (the stem comes before it)."""
+
+    def names(model, count):
+        tower, by_id = model.vision_model, {id(p): n for n, p in model.vision_model.named_parameters()}
+        return {by_id[id(p)] for p in early_stage_parameters(tower, model.config.vision_config, count)}
+
+    resnet = MMFusionModel(tower_config(tester, "resnet"))
+    assert names(resnet, 1) and all(n.startswith("embedder.") for n in names(resnet, 1))
+    two = names(resnet, 2)
+    assert two - names(resnet, 1) and all(n.startswith(("embedder.", "encoder.stages.0.")) for n in two)
+    assert names(resnet, 3) == {n for n, _ in resnet.vision_model.named_parameters()}
+    mobilenet = MMFusionModel(tower_config(tester, "mobilenet"))
+    one = names(mobilenet, 1)
+    assert {n.split(".")[0] for n in one} == {"conv_stem", "layer"} and all(
+        n.startswith(("conv_stem.", "layer.0.")) for n in one
+    )
+    assert not any(n.startswith(("conv_1x1", "layer.1.")) for n in names(mobilenet, 1))
+    assert {n.split(".")[1] for n in names(mobilenet, 3) if n.startswith("layer.")} == {"0", "1", "2"}
+    with pytest.raises(ValueError, match="has stages 0 to 2: the first 1 to 3 can be frozen, not 4"):
+        names(resnet, 4)
+    with pytest.raises(ValueError, match="is a transformer tower"):
+        early_stage_parameters(MMFusionModel(tester.config()).vision_model, tester.config().vision_config, 1)
 
 
 def test_tower_config_errors_name_the_problem(tester):

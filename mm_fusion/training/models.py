@@ -15,6 +15,7 @@ from ..configuration_mm_fusion import MMFusionConfig
 from ..image_processing_mm_fusion import MMFusionImageProcessor
 from ..processing_mm_fusion import MMFusionProcessor
 from ..tokenizer_training import train_tokenizer
+from ..vision_towers import early_stage_parameters
 from .arguments import DataArguments, ModelArguments
 from .data import TrainingData, parse_overrides
 
@@ -36,6 +37,11 @@ def build_model_and_processor(
         if getattr(model_args, f"freeze_{role}_model"):  # and in eval mode while training: MMFusionModel.train
             getattr(model.base_model, f"{role}_model").requires_grad_(False)
             logger.info(f"The {role} tower is frozen (--freeze_{role}_model).")
+    if model_args.freeze_vision_stages:  # their batch norms in eval mode while training: MMFusionModel.train
+        vision = model.base_model.vision_model
+        for parameter in early_stage_parameters(vision, model.config.vision_config, model_args.freeze_vision_stages):
+            parameter.requires_grad_(False)
+        logger.info(f"The vision tower's first {model_args.freeze_vision_stages} stages are frozen.")
     image_size = input_image_size(model.config, data_args.image_size)
     processor = MMFusionProcessor(
         MMFusionImageProcessor(size={"height": image_size, "width": image_size}),

@@ -10,17 +10,20 @@ pretrained text tower by default), each given the same seconds of training, with
   for it), evaluated likewise.
 
 Each run is `scripts/train.py` (`mm_fusion.training.setup_run`) in a fresh process with its recipe's defaults and
-`--image_size` set, for a schedule of as many optimizer steps as fit in `--budget_s` seconds at the step time a short
-probe of that recipe measured (so that each recipe's learning-rate schedule runs its whole course in the time), and
-evaluated every `--eval_every` steps and once more at the end (the clock of benchmark_time_to_accuracy.py counts
-training only). Reported per dataset, image size and recipe: the final and best accuracy over seeds, and the
-composition's gain over scratch at equal time (the target: >= 0.05 on every seed).
+`--image_size` set, trained for `--budget_s` seconds (the clock of benchmark_time_to_accuracy.py counts training
+only) on a learning-rate schedule sized in seconds: the recipe's warm-up and cosine decay run on the fraction of the
+budget spent, so that each recipe's schedule ends with its budget however fast its steps are (a schedule sized in
+steps from a probe's step time ended composed runs up to 15% early). A short probe of each recipe's step time only
+caps `--max_steps` (twice the steps it predicts). Evaluated every `--eval_every` steps and once more at the end.
+Reported per dataset, image size and recipe: the final and best accuracy over seeds, and the composition's gain over
+scratch at equal time (the target: >= 0.05 on every seed).
 
     python scripts/benchmarks/benchmark_composition.py --datasets fashion_mnist --image_sizes 64 --seeds 0
 
 Writes scripts/benchmarks/results/composition.{json,md} and prints the Markdown table.
 """
 
+import math
 import os
 import shlex
 import shutil
@@ -50,10 +53,18 @@ class CompositionArguments:
     fashion_mnist_images: int = field(default=1000, metadata={"help": "Fashion-MNIST training photos."})
     easy_vqa_images: int = field(default=400, metadata={"help": "easy-VQA training images (10%% of its 4,000)."})
     budget_s: float = field(default=240.0, metadata={"help": "Seconds of training each run gets."})
+    steps: int | None = field(
+        default=None,
+        metadata={
+            "help": "Give each run this many optimizer steps on its recipe's own schedule instead of --budget_s "
+            "seconds: equal work, to compare learning rates or LoRA against full fine-tuning by accuracy."
+        },
+    )
     eval_every: int = field(default=100, metadata={"help": "Optimizer steps between evaluations."})
     eval_questions: int = field(default=2000, metadata={"help": "The first N test questions evaluate."})
     probe_steps: int = field(
-        default=30, metadata={"help": "Steps of the probe that times a recipe (the first 5 left out)."}
+        default=30,
+        metadata={"help": "Steps of the probe that times a recipe (the first 5 left out): caps --max_steps."},
     )
     vision_tower: str | None = field(
         default=None, metadata={"help": "A MobileNetV2 tower directory (default: torchvision's ImageNet weights)."}
@@ -89,6 +100,32 @@ def run_argv(payload: dict) -> list[str]:
     return argv + shlex.split(payload["train_args"]) + shlex.split(payload["recipe_args"])
 
 
+def time_schedule(trainer, clock: TrainingClock, budget_s: float):
+    """The trainer's warm-up + cosine schedule on the fraction of `budget_s` seconds of training spent (`clock`'s, at
+    each scheduler step) instead of the fraction of `max_steps` taken; the warm-up is `--warmup_steps` (a fraction)."""
+    args = trainer.args
+    if args.lr_scheduler_type != "cosine" or args.warmup_steps >= 1:
+        raise ValueError(
+            "A schedule in seconds is written for --lr_scheduler_type cosine and a --warmup_steps fraction."
+        )
+    warmup = args.warmup_steps
+
+    def factor(_step: int) -> float:
+        spent = clock.train_s + (time.perf_counter() - clock._resumed if clock._resumed is not None else 0.0)
+        done = min(1.0, spent / budget_s)
+        if done < warmup:
+            return done / warmup
+        return 0.5 * (1.0 + math.cos(math.pi * (done - warmup) / (1.0 - warmup)))
+
+    def create_scheduler(num_training_steps: int, optimizer=None):
+        if trainer.lr_scheduler is None:
+            optimizer = trainer.optimizer if optimizer is None else optimizer
+            trainer.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+        return trainer.lr_scheduler
+
+    trainer.create_scheduler = create_scheduler
+
+
 def run_trial(payload: dict) -> dict:
     """One run, in this fresh process: the probe (`payload["probe"]`: seconds per step) or a timed run."""
     from mm_fusion.training import setup_run
@@ -107,8 +144,11 @@ def run_trial(payload: dict) -> dict:
         trainer.train()
         warm = times[min(5, len(times) - 2) :]  # the first steps run slower (allocation, warm-up)
         return {"seconds_per_step": statistics.median(b - a for a, b in zip(warm, warm[1:]))}
-    clock = TrainingClock(2.0, payload["budget_s"], payload["eval_every"], began)  # no target: the budget ends it
+    budget_s = float("inf") if payload["steps"] else payload["budget_s"]
+    clock = TrainingClock(2.0, budget_s, payload["eval_every"], began)  # no target: the budget or max_steps ends it
     trainer.add_callback(clock)
+    if not payload["steps"]:
+        time_schedule(trainer, clock, budget_s)
     trainer.train()
     if not clock.curve or clock.curve[-1]["step"] != trainer.state.global_step:  # the schedule ended first
         metrics = trainer.evaluate()
@@ -120,6 +160,7 @@ def run_trial(payload: dict) -> dict:
         "startup_s": round(clock.startup_s, 2),
         "train_s": round(clock.train_s, 2),
         "steps": trainer.state.global_step,
+        "final_lr_factor": round(trainer.lr_scheduler.get_last_lr()[0] / trainer.lr_scheduler.base_lrs[0], 5),
         "final_accuracy": clock.curve[-1]["accuracy"],
         "best_accuracy": max(e["accuracy"] for e in clock.curve),
         "curve": clock.curve,
@@ -154,11 +195,14 @@ def main(argv: list[str] | None = None) -> dict:
                             "out": tempfile.mkdtemp(dir=work),
                         }  # fmt: skip
                         key = (dataset, recipe, size)
-                        if key not in probes:
+                        if args.steps:
+                            payload["max_steps"], probes[key] = args.steps, 0.0
+                        elif key not in probes:
                             probe = payload | {"probe": True, "max_steps": args.probe_steps}
                             probes[key] = run_in_new_interpreter("benchmark_composition:run_trial", probe, cache)
                             probes[key] = probes[key]["seconds_per_step"]
-                        payload["max_steps"] = max(1, int(args.budget_s / probes[key]))
+                        if not args.steps:  # a cap: the schedule is in seconds, the clock ends the run at the budget
+                            payload["max_steps"] = max(1, int(2 * args.budget_s / probes[key]))
                         result = run_in_new_interpreter("benchmark_composition:run_trial", payload, cache)
                         result |= {"dataset": dataset, "recipe": recipe, "image_size": size, "seed": seed,
                                    "train_rows": rows, "images": images,
@@ -202,12 +246,17 @@ def markdown(trials: list[dict], args, info: dict) -> str:
              " / ".join(f"{t['steps']} in {t['train_s']:.0f} s" for t in runs),
              "–" if gain is None else " / ".join(f"{g:+.3f}" for g in gain), verdict]
         )  # fmt: skip
+    given = (
+        f"{args.steps} optimizer steps on its own schedule"
+        if args.steps
+        else f"{args.budget_s:.0f} s of training (evaluations left out) with a learning-rate schedule sized in them"
+    )
     header = ["data", "training", "px", "recipe", "final accuracy (seeds)", "best", "steps in seconds of training",
               "gain over scratch", f"gain >= {TARGET_GAIN}"]  # fmt: skip
     return (
         f"Composition (ImageNet MobileNetV2 + all-MiniLM-L6-v2, `--vision_model_name_or_path` / "
-        f"`--text_model_name_or_path`) against the default model from scratch, each given {args.budget_s:.0f} s of "
-        f"training (evaluations left out) with a schedule sized to it, seeds {', '.join(map(str, args.seeds))}; "
+        f"`--text_model_name_or_path`) against the default model from scratch, each given {given}, seeds "
+        f"{', '.join(map(str, args.seeds))}; "
         f"accuracy on the first {args.eval_questions} test questions. {info['cores']} cores ({info['cpu']}), torch "
         f"{info['torch']}; one run at a time.\n\n" + markdown_table(header, rows) + "\n"
     )
