@@ -15,6 +15,7 @@ from .arguments import (
     ModelArguments,
     parse_arguments,
     settle_arguments,
+    training_defaults,
 )
 from .callbacks import MMFusionMonitorCallback, add_monitor
 from .checkpoints import (
@@ -92,6 +93,7 @@ __all__ = [
     "setup_run",
     "split_off_eval",
     "train_and_save",
+    "training_defaults",
     "train_window",
     "write_model_card",
 ]

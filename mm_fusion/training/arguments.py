@@ -595,6 +595,13 @@ def settle_arguments(
     return model_args, data_args, training_args
 
 
+def training_defaults() -> dict:
+    """`MMFusionTrainingArguments`' defaults by field name, as a run without arguments gets them: `learning_rate`'s
+    None (the default, or `--lora`'s) resolved to `DEFAULT_LEARNING_RATE`."""
+    defaults = {f.name: f.default for f in dataclasses.fields(MMFusionTrainingArguments)}
+    return defaults | {"learning_rate": DEFAULT_LEARNING_RATE}
+
+
 def parse_arguments(
     args: list[str] | None = None,
 ) -> tuple[ModelArguments, DataArguments, MMFusionTrainingArguments]:

@@ -24,7 +24,6 @@ This module is imported by the benchmark scripts (they run from this folder and 
 """
 
 import os
-from dataclasses import fields
 from types import SimpleNamespace
 
 import torch
@@ -43,9 +42,9 @@ IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
 def recipe() -> dict:
     """The training recipe, from the defaults of mm_fusion's argument dataclasses (whatever they are today)."""
-    from mm_fusion.training import DataArguments, MMFusionTrainingArguments, ModelArguments
+    from mm_fusion.training import DataArguments, ModelArguments, training_defaults
 
-    training = {f.name: f.default for f in fields(MMFusionTrainingArguments)}
+    training = training_defaults()
     model, data = ModelArguments(), DataArguments()
     return {
         "learning_rate": training["learning_rate"],

@@ -38,7 +38,7 @@ import os
 import shutil
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 import torch
@@ -112,9 +112,9 @@ def default_run_steps() -> int:
     batches of its default size."""
     import easy_vqa
 
-    from mm_fusion.training import MMFusionTrainingArguments
+    from mm_fusion.training import training_defaults
 
-    training = {f.name: f.default for f in fields(MMFusionTrainingArguments)}
+    training = training_defaults()
     batches = math.ceil(len(easy_vqa.get_train_questions()[0]) / training["per_device_train_batch_size"])
     return math.ceil(training["num_train_epochs"] * batches)
 
