@@ -26,9 +26,8 @@ VISION_TOWERS = ("vit", "resnet", "convnext")
 MAIN_METRICS = {"vqa": "accuracy", "classify": "accuracy", "pretrain": "mean_recall"}
 ABLATIONS = ("none", "image_only", "text_only")
 DEFAULT_LEARNING_RATE = 5e-4
-LORA_LEARNING_RATE = (
-    1e-3  # the rate that won for LoRA on the composition (scripts/benchmarks/results/lora_composition.md)
-)
+# The rate that won for LoRA on the composition (scripts/benchmarks/results/lora_composition.md).
+LORA_LEARNING_RATE = 1e-3
 
 
 def cpu_threads(requested: int | None, env=os.environ) -> int | None:

@@ -196,17 +196,17 @@ def main(argv: list[str] | None = None) -> dict:
                         }  # fmt: skip
                         key = (dataset, recipe, size)
                         if args.steps:
-                            payload["max_steps"], probes[key] = args.steps, 0.0
-                        elif key not in probes:
-                            probe = payload | {"probe": True, "max_steps": args.probe_steps}
-                            probes[key] = run_in_new_interpreter("benchmark_composition:run_trial", probe, cache)
-                            probes[key] = probes[key]["seconds_per_step"]
-                        if not args.steps:  # a cap: the schedule is in seconds, the clock ends the run at the budget
+                            payload["max_steps"] = args.steps
+                        else:  # a cap: the schedule is in seconds, the clock ends the run at the budget
+                            if key not in probes:
+                                probe = payload | {"probe": True, "max_steps": args.probe_steps}
+                                probes[key] = run_in_new_interpreter("benchmark_composition:run_trial", probe, cache)
+                                probes[key] = round(probes[key]["seconds_per_step"], 4)
                             payload["max_steps"] = max(1, int(2 * args.budget_s / probes[key]))
                         result = run_in_new_interpreter("benchmark_composition:run_trial", payload, cache)
                         result |= {"dataset": dataset, "recipe": recipe, "image_size": size, "seed": seed,
                                    "train_rows": rows, "images": images,
-                                   "probe_seconds_per_step": round(probes[key], 4)}  # fmt: skip
+                                   "probe_seconds_per_step": probes.get(key)}  # fmt: skip
                         trials.append(result)
                         print(f"{dataset} {size} px seed {seed} {recipe}: {result['final_accuracy']:.4f} after "
                               f"{result['train_s']:.0f} s ({result['steps']} steps)", flush=True)  # fmt: skip
