@@ -22,7 +22,9 @@ stays at its starting value.
 `--lora` turns on gradient checkpointing (`--lora_gradient_checkpointing`, default True): the frozen towers keep as
 many activations for the backward as full fine-tuning does (each adapter's `lora_A` keeps its layer's input, the
 tensor a trained Linear keeps for its own gradient), so without it the adapters save only the optimizer states and
-gradients of the frozen weights (scripts/benchmarks/README.md, `benchmark_lora_memory.py`).
+gradients of the frozen weights. On a Linux CPU it also gives freed memory back to the system
+(`--release_freed_memory`), without which glibc keeps what each step frees and the process's peak stays near full
+fine-tuning's (scripts/benchmarks/README.md, `benchmark_lora_memory.py`).
 
 A run's `--output_dir` holds the model it started from (`config.json`, `model.safetensors`, the processor and code)
 and the adapter beside it (`adapter_config.json`, `adapter_model.safetensors`): `from_pretrained` and `pipeline(...)`

@@ -24,3 +24,16 @@ from helpers.models import MMFusionModelTester  # noqa: E402
 def tester() -> MMFusionModelTester:
     torch.manual_seed(0)
     return MMFusionModelTester()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def allocator_requests():
+    """`--release_freed_memory` (on with `--lora`) changes glibc's malloc for the rest of the process. In this test
+    process a run's request is recorded here instead, from the first fixture on (test_launch.py checks the real
+    setting in a child process)."""
+    import mm_fusion.training.run
+
+    requests = []
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(mm_fusion.training.run, "release_freed_memory", lambda: requests.append(True) or True)
+        yield requests

@@ -73,11 +73,14 @@ def test_only_adapters_heads_and_batchnorm_train(lora_run):
     assert config["r"] == 4 and "classifier" in config["modules_to_save"]
 
 
-def test_lora_trains_with_activation_checkpointing_unless_told_not_to(lora_run, tmp_path):
+def test_lora_trains_with_activation_checkpointing_unless_told_not_to(lora_run, tmp_path, allocator_requests):
     trainer, _ = lora_run
     assert trainer.args.activation_checkpointing and trainer.model.get_base_model().is_gradient_checkpointing
     flags = [*LORA_RUN, "--lora_gradient_checkpointing", "False", "--max_train_samples", "16"]
+    requests = len(allocator_requests)
     trainer = setup_run(["--output_dir", str(tmp_path / "out"), *flags])
+    # --lora also gives freed memory back (--release_freed_memory): the request, recorded by conftest's stand-in
+    assert trainer.args.release_freed_memory and len(allocator_requests) == requests + 1
     trainer.train()
     assert not trainer.args.activation_checkpointing and not trainer.model.get_base_model().is_gradient_checkpointing
 

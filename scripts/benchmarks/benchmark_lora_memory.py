@@ -5,9 +5,10 @@ BERT-base-size text tower, both from configs (random weights: memory does not de
 easy-VQA head, 224 px, batch 16, a few optimizer steps.
 
 Each recipe runs in a fresh process (`scripts/train.py`'s `setup_run`), one after the other, twice: under glibc's
-malloc as it comes, and with `MALLOC_MMAP_THRESHOLD_` fixed at 64 KiB, where every block over that size is a mapping
-of its own, given back when freed, so the process's RSS follows the tensors alive (the analogue of a GPU's
-`max_memory_allocated`; as it comes, glibc keeps freed blocks in its heaps and the RSS also holds what they left).
+malloc as it comes (`--release_freed_memory False`), and with `--release_freed_memory True` (`--lora`'s default), which
+fixes glibc's mmap threshold at 64 KiB: every block over that size is a mapping of its own, given back when freed, so
+the process's RSS follows the tensors alive (the analogue of a GPU's `max_memory_allocated`; as it comes, glibc keeps
+freed blocks in its heaps and the RSS also holds what they left).
 Recipes: `full` (every weight trains), `lora` (`--lora --lora_gradient_checkpointing False`: adapters on both towers,
 the fusion block and the head trained fully), and each again with gradient checkpointing (`+ckpt`:
 `--activation_checkpointing True`; for LoRA `--lora` as it comes, which turns it on).
@@ -46,7 +47,8 @@ from transformers import HfArgumentParser
 
 
 RECIPES = ("full", "lora", "full+ckpt", "lora+ckpt")
-ALLOCATORS = {"glibc": {}, "glibc, mmap over 64 KiB": {"MALLOC_MMAP_THRESHOLD_": "65536"}}
+# Each allocator's --release_freed_memory (mm_fusion.training.launch.release_freed_memory).
+ALLOCATORS = {"glibc": "False", "glibc, mmap over 64 KiB": "True"}
 
 
 @dataclass
@@ -141,6 +143,7 @@ def run_trial(payload: dict) -> dict:
     # Questions drawn at random from 2,000 (easy-VQA has about 2 per image): a batch's images are nearly all distinct
     # (the images a batch holds are reported), as a batch of 16 images.
     argv += ["--group_by_image", "False", "--max_train_samples", "2000"]
+    argv += ["--release_freed_memory", ALLOCATORS[payload["allocator"]]]
     if recipe.startswith("lora"):  # --lora turns checkpointing on by default (--lora_gradient_checkpointing)
         argv += ["--lora"] if recipe.endswith("+ckpt") else ["--lora", "--lora_gradient_checkpointing", "False"]
     else:  # full fine-tuning trains the text tower too (a pretrained one is frozen by default)
@@ -166,6 +169,7 @@ def run_trial(payload: dict) -> dict:
         "command": "scripts/train.py " + " ".join(argv[2:]),
         "torch_threads": torch.get_num_threads(),
         "gradient_checkpointing": trainer.args.activation_checkpointing,
+        "release_freed_memory": trainer.args.release_freed_memory,
         "parameters": sum(p.numel() for _, p in named),
         "trainable_parameters": trainable,
         "peft_original_copies": copies,
@@ -196,13 +200,12 @@ def main(argv: list[str] | None = None) -> dict:
             for recipe in args.recipes:
                 payload = asdict(args) | {
                     "recipe": recipe,
+                    "allocator": allocator,
                     "vision_tower": vision,
                     "text_tower": text,
                     "out": tempfile.mkdtemp(dir=work),
                 }
-                result = run_in_new_interpreter(
-                    "benchmark_lora_memory:run_trial", payload, datasets_cache=cache, env=ALLOCATORS[allocator]
-                )
+                result = run_in_new_interpreter("benchmark_lora_memory:run_trial", payload, datasets_cache=cache)
                 result["allocator"] = allocator
                 trials.append(result)
                 print(f"{allocator}, {recipe}: peak {result['peak_memory_mib']:.0f} MiB", flush=True)
@@ -238,7 +241,20 @@ def markdown(trials: list[dict], args, info: dict) -> str:
         f"{args.hidden_size} wide) from configs, the default hierarchical fusion, an easy-VQA head; batch "
         f"{args.batch_size}, {args.steps} optimizer steps; each run a fresh process, one after the other. "
         f"{info['cores']} cores ({info['cpu']}), torch {info['torch']}. `peak / full's`: against `full` under the "
-        "same allocator.\n\n" + markdown_table(header, rows) + "\n"
+        "same allocator.\n\n" + markdown_table(header, rows) + "\n" + as_they_come(trials)
+    )
+
+
+def as_they_come(trials: list[dict]) -> str:
+    """The line a user's comparison gives: `--lora` as it comes (checkpointing, freed memory given back) against full
+    fine-tuning as it comes (neither)."""
+    peak = {(t["allocator"], t["recipe"]): t["peak_memory_mib"] for t in trials}
+    lora, full = peak.get(("glibc, mmap over 64 KiB", "lora+ckpt")), peak.get(("glibc", "full"))
+    if lora is None or full is None:
+        return ""
+    return (
+        f"\n`--lora` as it comes (checkpointing on, freed memory given back) against full fine-tuning as it comes: "
+        f"{lora:.0f} / {full:.0f} MiB = **{lora / full:.2f}**.\n"
     )
 
 

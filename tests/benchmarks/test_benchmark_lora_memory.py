@@ -46,6 +46,7 @@ def test_tiny_run_compares_recipes_under_both_allocators(tmp_path):
         lora = recipe.startswith("lora")
         assert ("--lora" in t["command"].split()) == lora
         assert t["gradient_checkpointing"] == recipe.endswith("+ckpt")  # --lora turns it on
+        assert t["release_freed_memory"] == (benchmark_lora_memory.ALLOCATORS[allocator] == "True")
         assert (t["trainable_parameters"] < t["parameters"]) == lora and (t["peft_original_copies"] > 0) == lora
         assert t["peak_memory_mib"] >= t["built_mib"] > 0 and t["saved_for_backward_mib"] > 0
         # 4 questions; an image they share is encoded once
@@ -56,3 +57,7 @@ def test_tiny_run_compares_recipes_under_both_allocators(tmp_path):
         assert lora < full / 2
     table = output.with_suffix(".md").read_text()
     assert table.count("| full |") == 2 and "| 1.00 |" in table and "| lora+ckpt |" in table
+    as_they_come = (
+        trials["glibc, mmap over 64 KiB", "lora+ckpt"]["peak_memory_mib"] / trials["glibc", "full"]["peak_memory_mib"]
+    )
+    assert "`--lora` as it comes" in table and f"**{as_they_come:.2f}**" in table
