@@ -468,7 +468,7 @@ class MMFusionTrainingArguments(TrainingArguments):
             "help": "Linux (glibc): give each block over 64 KiB that training frees back to the system at once "
             "(mallopt's M_MMAP_THRESHOLD, as MALLOC_MMAP_THRESHOLD_=65536 does), so the process's memory follows the "
             "tensors alive instead of keeping what each step freed. Default: on with --lora, whose memory it is "
-            "for (its peak 0.65 of full fine-tuning's without, 0.44 with: scripts/benchmarks/results/lora_memory.md), "
+            "for (its peak 0.66 of full fine-tuning's without, 0.44 with: scripts/benchmarks/results/lora_memory.md), "
             "off otherwise."
         },
     )
