@@ -167,16 +167,12 @@ def _function(target: str):
     return getattr(importlib.import_module(module), function)
 
 
-def run_in_new_interpreter(
-    target: str, payload: dict, datasets_cache: str | None = None, env: dict[str, str] | None = None
-) -> dict:
-    """Run the trial `target` ("module:function" of this folder) on `payload` in a new Python (with the variables of
-    `env` added to its environment, e.g. the C allocator's settings, which are read at start); return its result."""
+def run_in_new_interpreter(target: str, payload: dict, datasets_cache: str | None = None) -> dict:
+    """Run the trial `target` ("module:function" of this folder) on `payload` in a new Python; return its result."""
     with tempfile.TemporaryDirectory() as work:
         result_file = os.path.join(work, "result.json")
         command = [sys.executable, str(Path(__file__).resolve()), "--trial", target, json.dumps(payload), result_file]
-        environment = offline_env(datasets_cache) | (env or {})
-        done = subprocess.run(command, env=environment, capture_output=True, text=True)
+        done = subprocess.run(command, env=offline_env(datasets_cache), capture_output=True, text=True)
         if done.returncode != 0:
             raise RuntimeError(f"trial {target} {payload} failed:\n{done.stderr[-4000:]}")
         with open(result_file) as f:
