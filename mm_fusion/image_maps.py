@@ -1,23 +1,33 @@
 """
-Where a classification model looks in the image for its answer: one map over the image tokens per layer it reads the
-image by, for every image-text pair.
+Where a classification model looks in the image for its answer, as maps over the image for every image-text pair.
 
-- `"attention"` (cross-attention fusion: `hierarchical`, `cross_attention`): per fusion layer, the text-to-image
-  attention probabilities averaged over heads and over the text's real tokens. A map sums to 1 over the image's
-  grid; the share a leading [CLS]-like image token took (a ViT tower's) is reported apart.
+- `"guided_gradient"` (the default, any fusion): input x gradient at the pixels, weighted by the coarse map the model
+  reads the image by, as Guided Grad-CAM (Selvaraju et al. 2017, arXiv:1610.02391) weights guided backpropagation by
+  Grad-CAM. Each pixel's input x gradient is the first-order change of the answer's logit were the pixel given the
+  image's median colour (the background's, on a plain background): `|sum_c (x_c - median_c) d logit / d x_c|`. The
+  coarse map is the question's cross-attention in the last fusion layer (`hierarchical`, `cross_attention`) or
+  Grad-CAM on the tower's last map read (`late`), put on the pixels bilinearly. The product is summed over a window
+  of a seventh of the image's side (9 pixels at 64), so that its peak is where the evidence gathers rather than one
+  noisy pixel. One forward and one backward pass per answer explained; the map is on the image's pixels.
+- `"input_x_gradient"`: the same pixel attribution without the coarse weighting.
+- `"attention"` (cross-attention fusion): per fusion layer, the text-to-image attention probabilities averaged over
+  heads and over the text's real tokens. A map sums to 1 over the image's grid; the share a leading [CLS]-like image
+  token took (a ViT tower's) is reported apart.
 - `"tower_attention"` (a tower conditioned by `vision_text_attention`): per stage after the stem, the attention each
   cell of the stage's map gives one text token (`token`, e.g. the word that names the object: a cell's attention sums
   to 1 over the text, so there is no mean over the text to take), scaled to sum to 1 over the grid. Coarser stages
   are put on the first stage's grid bilinearly (each cell's value at its centre).
-- `"grad_cam"` (any model, and the only choice for `late` fusion): Grad-CAM (Selvaraju et al. 2017,
-  arXiv:1610.02391) on the last tower map the model reads, for the given answer: the map's channels weighted by the
-  answer logit's gradient averaged over the grid, summed, rectified and scaled to sum to 1. The map is the tower's
-  last stage read (as the text modulated it, with FiLM) for a backbone / convolutional tower, and the last hidden
-  state's patch tokens for a transformer tower.
+- `"grad_cam"` (any model): Grad-CAM on the last tower map the model reads, for the given answer: the map's channels
+  weighted by the answer logit's gradient averaged over the grid, summed, rectified and scaled to sum to 1. The map is
+  the tower's last stage read (as the text modulated it, with FiLM) for a backbone / convolutional tower, and the last
+  hidden state's patch tokens for a transformer tower.
 
-Maps are on the image's token grid, `(height, width)`; [`upsample`] puts them on the image's pixels and
-[`peak_inside`] says whether a map's highest cell is centred inside a box (the pointing accuracy of
-`scripts/benchmarks/benchmark_pointing.py`). Saved with the model's code: the pipelines' `return_map=True` uses it.
+How well each points at the object a question names, and whether painting over its peak changes the answer, is
+measured by `scripts/benchmarks/benchmark_pointing.py` (scripts/benchmarks/README.md).
+
+Maps are on the image's token grid or pixels, `(height, width)`; [`upsample`] puts them on the image's pixels and
+[`peak_inside`] says whether a map's highest cell is centred inside a box, [`peak_on`] whether it falls on a mask's
+pixels. Saved with the model's code: the pipelines' `return_map=True` uses it.
 """
 
 import math
@@ -27,7 +37,9 @@ import torch
 import torch.nn.functional as F
 
 
-METHODS = ("attention", "tower_attention", "grad_cam")
+METHODS = ("guided_gradient", "input_x_gradient", "attention", "tower_attention", "grad_cam")
+# The maps that explain one answer (computed from its logit's gradient): one per answer asked for.
+ANSWER_METHODS = ("guided_gradient", "input_x_gradient", "grad_cam")
 
 
 @dataclass
@@ -39,12 +51,12 @@ class ImageMaps:
         maps (`torch.FloatTensor` of shape `(N, L, height, width)`): one map per pair and layer, each summing to 1
             over the grid (or to 1 minus `leading_share` for attention with a leading image token).
         layers (`list[str]`): the L layers' names, e.g. `"fusion layer 1"` or `"Grad-CAM, vision stage 3"`.
-        method (`str`): `"attention"` or `"grad_cam"`.
+        method (`str`): one of [`METHODS`].
         logits (`torch.FloatTensor` of shape `(N, num_labels)`): the model's logits for the pairs.
-        targets (`torch.LongTensor` of shape `(N,)`): the answer each Grad-CAM map explains (the top answer unless
+        targets (`torch.LongTensor` of shape `(N,)`): the answer each gradient map explains (the top answer unless
             given); for attention, the top answer (the map does not depend on it).
         leading_share (`torch.FloatTensor` of shape `(N, L)`): attention on a leading non-grid image token (0 for
-            grids without one, and for Grad-CAM).
+            grids without one, and for the gradient maps).
     """
 
     maps: torch.Tensor
@@ -56,8 +68,20 @@ class ImageMaps:
 
 
 def default_method(config) -> str:
-    """`"attention"` for cross-attention fusion, `"grad_cam"` for late fusion."""
-    return "grad_cam" if config.fusion_type == "late" else "attention"
+    """`"guided_gradient"`: of the maps measured, the one whose peak lies on the named object most often
+    (scripts/benchmarks/README.md, benchmark_pointing.py)."""
+    return "guided_gradient"
+
+
+def describe(method: str) -> str:
+    """A short name of the method, for a figure's title or a page."""
+    return {
+        "guided_gradient": "input x gradient weighted by the model's coarse map",
+        "input_x_gradient": "input x gradient",
+        "attention": "the question's cross-attention",
+        "tower_attention": "the tower's reads of the question",
+        "grad_cam": "Grad-CAM",
+    }[method]
 
 
 def _grid(count: int) -> tuple[int, int, int]:
@@ -93,10 +117,10 @@ def image_maps(
         raise ValueError(f"Unknown map method {method!r}; choose from {', '.join(METHODS)}.")
     if method == "attention" and config.fusion_type == "late":
         raise ValueError("A late-fusion model has no cross-attention to read its map from: use method='grad_cam'.")
-    if targets is not None and method != "grad_cam":
-        raise ValueError("`targets` choose the answer a Grad-CAM map explains; an attention map has none.")
-    if token is not None and method == "grad_cam":
-        raise ValueError("`token` picks one text token's attention; a Grad-CAM map has no tokens.")
+    if targets is not None and method not in ANSWER_METHODS:
+        raise ValueError(f"`targets` choose the answer a gradient map explains; a {method!r} map has none.")
+    if token is not None and method in ANSWER_METHODS:
+        raise ValueError(f"`token` picks one text token's attention; a {method!r} map has no tokens.")
     if method == "tower_attention":
         if getattr(model.mm_fusion, "vision_text_attention", None) is None:
             raise ValueError(
@@ -126,33 +150,47 @@ def image_maps(
         return _attention_maps(model, inputs, image_index, token)
     if method == "tower_attention":
         return _tower_attention_maps(model, inputs, image_index, token)
-    # Grad-CAM: one image per pair, so that a shared image's gradient is not the sum over its questions.
+    # The gradient maps: one image per pair, so that a shared image's gradient is not the sum over its questions.
     if image_index is not None:
         inputs["pixel_values"] = pixel_values[image_index]
-    return _grad_cam(model, inputs, targets)
+    if method == "grad_cam":
+        return _grad_cam(model, inputs, targets)
+    return _gradient_maps(model, inputs, targets, guided=method == "guided_gradient")
 
 
-def _attention_maps(model, inputs: dict, image_index: torch.Tensor | None, token: torch.Tensor | None) -> ImageMaps:
-    blocks = [layer.text_block.cross_attn for layer in model.mm_fusion.encoder.layers]
-    captured: list[torch.Tensor] = []
+def _capture_attention(model, captured: list[torch.Tensor]) -> list:
+    """Hooks that append each fusion layer's text-to-image attention probabilities `(B, heads, T, S)` to `captured` as
+    the layer attends (from its own projections, whatever attention implementation runs); returns their handles."""
 
     def capture(module, args, kwargs):
-        # The probabilities the layer attends with, from its own projections, whatever attention implementation runs.
         hidden, context, context_mask, context_index = (list(args) + [None, None])[:4]
         context_index = kwargs.get("context_index", context_index)
         B, T, _ = hidden.shape
         N, S = context.shape[:2]
         heads, size = module.num_heads, module.head_dim
-        q = module.q_proj(hidden).view(B, T, heads, size).transpose(1, 2)
-        k = module.k_proj(context).view(N, S, heads, size).transpose(1, 2)
-        if context_index is not None:
-            k = k[context_index]
-        scores = (q @ k.transpose(-1, -2)).float() * module.scaling  # (B, heads, T, S)
-        if context_mask is not None:
-            scores = scores.masked_fill(~context_mask[:, None, None, :].bool(), float("-inf"))
-        captured.append(scores.softmax(-1))
+        with torch.no_grad():  # a record of the forward, not part of what a gradient map differentiates
+            q = module.q_proj(hidden).view(B, T, heads, size).transpose(1, 2)
+            k = module.k_proj(context).view(N, S, heads, size).transpose(1, 2)
+            if context_index is not None:
+                k = k[context_index]
+            scores = (q @ k.transpose(-1, -2)).float() * module.scaling  # (B, heads, T, S)
+            if context_mask is not None:
+                scores = scores.masked_fill(~context_mask[:, None, None, :].bool(), float("-inf"))
+            captured.append(scores.softmax(-1))
 
-    handles = [block.register_forward_pre_hook(capture, with_kwargs=True) for block in blocks]
+    blocks = [layer.text_block.cross_attn for layer in model.mm_fusion.encoder.layers]
+    return [block.register_forward_pre_hook(capture, with_kwargs=True) for block in blocks]
+
+
+def _text_mean(probabilities: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """`(B, heads, T, S)` attention averaged over heads and over the tokens where `mask` `(B, T)` is 1: `(B, S)`."""
+    weights = mask[:, None, :, None].to(probabilities.dtype)
+    return (probabilities * weights).sum(2).mean(1) / weights.sum(2).squeeze(-1).clamp(min=1)
+
+
+def _attention_maps(model, inputs: dict, image_index: torch.Tensor | None, token: torch.Tensor | None) -> ImageMaps:
+    captured: list[torch.Tensor] = []
+    handles = _capture_attention(model, captured)
     try:
         with torch.no_grad():
             logits = model(**inputs, image_index=image_index).logits
@@ -165,11 +203,7 @@ def _attention_maps(model, inputs: dict, image_index: torch.Tensor | None, token
     if token is not None:
         mask = torch.zeros_like(mask)
         mask[torch.arange(len(token)), token] = 1
-    weights = mask[:, None, :, None].to(captured[0].dtype)  # (B, 1, T, 1): the text's real tokens
-    per_layer = []
-    for probabilities in captured:
-        per_layer.append((probabilities * weights).sum(2).mean(1) / weights.sum(2).squeeze(-1).clamp(min=1))
-    stacked = torch.stack(per_layer, dim=1)  # (B, L, S)
+    stacked = torch.stack([_text_mean(probabilities, mask) for probabilities in captured], dim=1)  # (B, L, S)
     leading, height, width = _grid(stacked.shape[-1])
     maps = stacked[..., leading:].reshape(*stacked.shape[:2], height, width)
     return ImageMaps(
@@ -212,50 +246,146 @@ def _tower_attention_maps(model, inputs: dict, image_index: torch.Tensor | None,
     )
 
 
-def _grad_cam(model, inputs: dict, targets: torch.Tensor | None) -> ImageMaps:
+def _capture_name(model) -> str:
+    """The name of the map [`_capture_last_map`] records."""
     base = model.mm_fusion
-    captured: list[torch.Tensor] = []
-    transformer = base.feature_map_tokens is None
-    if transformer:  # the last hidden state's tokens
+    if base.feature_map_tokens is None:
+        return "vision tower's last hidden state"
+    return f"vision stage {base._vision_stages[-1]}"
+
+
+def _capture_last_map(model, captured: list[torch.Tensor]) -> tuple:
+    """A hook that appends the last tower map the model reads to `captured` (a backbone / convolutional tower's last
+    stage read, as its token projection receives it; a transformer tower's last hidden state); returns the handle and
+    the map's name."""
+    base = model.mm_fusion
+    if base.feature_map_tokens is None:  # the last hidden state's tokens
 
         def capture(module, args, output):
             captured.append(output.last_hidden_state)
 
-        handle = base.vision_model.register_forward_hook(capture)
-        name = "Grad-CAM, vision tower's last hidden state"
-    else:  # the tower's maps at the stages the fusion reads, as its token projection receives them
+        return base.vision_model.register_forward_hook(capture), _capture_name(model)
 
-        def capture(module, args):
-            captured.append(args[0][-1])
+    def capture_stages(module, args):
+        captured.append(args[0][-1])
 
-        handle = base.feature_map_tokens.register_forward_pre_hook(capture)
-        name = f"Grad-CAM, vision stage {base._vision_stages[-1]}"
-    try:
-        with torch.enable_grad():
-            logits = model(**inputs).logits
-            chosen = logits.argmax(-1) if targets is None else targets.to(logits.device)
-            activations = captured[-1]
-            score = logits.gather(1, chosen[:, None]).sum()
-            (gradients,) = torch.autograd.grad(score, activations)
-    finally:
-        handle.remove()
+    return base.feature_map_tokens.register_forward_pre_hook(capture_stages), _capture_name(model)
+
+
+def _cam(activations: torch.Tensor, gradients: torch.Tensor) -> torch.Tensor:
+    """Grad-CAM `(N, h, w)`, unscaled, of a map `(N, C, h, w)` or of transformer tokens `(N, P, D)`."""
     activations, gradients = activations.detach().float(), gradients.float()
-    if transformer:  # (N, P, D) tokens: channels last
+    if activations.dim() == 3:  # (N, P, D) tokens: channels last
         leading, height, width = _grid(activations.shape[1])
         activations = activations[:, leading:].transpose(1, 2).reshape(activations.shape[0], -1, height, width)
         gradients = gradients[:, leading:].transpose(1, 2).reshape(gradients.shape[0], -1, height, width)
     channel_weights = gradients.mean(dim=(2, 3), keepdim=True)  # (N, C, 1, 1)
-    cam = F.relu((channel_weights * activations).sum(1))  # (N, h, w)
-    total = cam.flatten(1).sum(-1).view(-1, 1, 1)
-    uniform = torch.full_like(cam, 1.0 / cam[0].numel())
-    cam = torch.where(total > 0, cam / total.clamp(min=1e-12), uniform)  # all-zero: no evidence, a flat map
+    return F.relu((channel_weights * activations).sum(1))
+
+
+def _sum_to_one(maps: torch.Tensor) -> torch.Tensor:
+    """`(N, h, w)` non-negative maps scaled to sum to 1; an all-zero map (no evidence) becomes a flat one."""
+    total = maps.flatten(1).sum(-1).view(-1, 1, 1)
+    uniform = torch.full_like(maps, 1.0 / maps[0].numel())
+    return torch.where(total > 0, maps / total.clamp(min=1e-12), uniform)
+
+
+def _answer_score(logits: torch.Tensor, targets: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The answers explained (the top ones unless given) and the sum of their logits, whose gradient the maps take."""
+    chosen = logits.argmax(-1) if targets is None else targets.to(logits.device)
+    return chosen, logits.gather(1, chosen[:, None]).sum()
+
+
+def _grad_cam(model, inputs: dict, targets: torch.Tensor | None) -> ImageMaps:
+    captured: list[torch.Tensor] = []
+    handle, name = _capture_last_map(model, captured)
+    try:
+        with torch.enable_grad():
+            logits = model(**inputs).logits
+            chosen, score = _answer_score(logits, targets)
+            (gradients,) = torch.autograd.grad(score, captured[-1])
+    finally:
+        handle.remove()
+    cam = _sum_to_one(_cam(captured[-1], gradients))
     return ImageMaps(
         maps=cam[:, None],
-        layers=[name],
+        layers=[f"Grad-CAM, {name}"],
         method="grad_cam",
         logits=logits.detach().float(),
         targets=chosen.detach(),
         leading_share=torch.zeros(cam.shape[0], 1),
+    )
+
+
+def smoothing_window(size: tuple[int, int]) -> int:
+    """The side of the window the gradient maps are summed over: a seventh of the image's shorter side, odd (9 at
+    64 px: about an easy-VQA shape's or a Sort-of-CLEVR object's size)."""
+    return (min(size) // 7) | 1
+
+
+def pixel_contributions(
+    model, inputs: dict, targets: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """
+    Input x gradient at the pixels, signed: for each pair (`inputs` as the model's `forward` takes them, one image per
+    pair), `sum_c (x_c - median_c) d logit / d x_c` `(N, H, W)` over the normalised pixels, the first-order change of
+    the answer's logit were the pixel given the image's median colour (negated: positive where that colour would lower
+    the answer). Returns it with the logits and the answers explained (`targets`, by default the top ones).
+    """
+    contributions, logits, chosen, _, _ = _contributions(model, inputs, targets, None)
+    return contributions, logits, chosen
+
+
+def _contributions(model, inputs: dict, targets: torch.Tensor | None, coarse: str | None) -> tuple:
+    """[`pixel_contributions`], and with `coarse` the coarse map's record from the same pass: `"attention"` (the
+    fusion layers' attention) or `"grad_cam"` (the last tower map read and its gradient)."""
+    pixels = model.mm_fusion.normalize_pixels(inputs["pixel_values"]).detach().requires_grad_(True)
+    captured: list[torch.Tensor] = []
+    handles = []
+    if coarse == "grad_cam":
+        handles = [_capture_last_map(model, captured)[0]]
+    elif coarse == "attention":
+        handles = _capture_attention(model, captured)
+    try:
+        with torch.enable_grad():
+            logits = model(**{**inputs, "pixel_values": pixels}).logits
+            chosen, score = _answer_score(logits, targets)
+            gradients = torch.autograd.grad(score, [pixels, *captured[-1:]] if coarse == "grad_cam" else [pixels])
+    finally:
+        for handle in handles:
+            handle.remove()
+    reference = pixels.detach().flatten(2).median(-1).values[..., None, None]  # (N, C, 1, 1): the median colour
+    contributions = ((pixels.detach() - reference) * gradients[0]).sum(1).float()  # (N, H, W)
+    return contributions, logits.detach().float(), chosen.detach(), captured, gradients[1:]
+
+
+def _gradient_maps(model, inputs: dict, targets: torch.Tensor | None, guided: bool) -> ImageMaps:
+    """`"input_x_gradient"` and `"guided_gradient"` (the module docstring): one forward and one backward pass."""
+    late = model.config.fusion_type == "late"
+    coarse = ("grad_cam" if late else "attention") if guided else None
+    contributions, logits, chosen, captured, gradients = _contributions(model, inputs, targets, coarse)
+    evidence = contributions.abs()
+    size = tuple(evidence.shape[-2:])
+    name = "input x gradient"
+    if coarse == "grad_cam":
+        evidence = evidence * upsample(_cam(captured[-1], gradients[0]), size)
+        name += f" x Grad-CAM on the {_capture_name(model)}"
+    elif coarse == "attention":
+        mask = inputs["attention_mask"]
+        attention = _text_mean(captured[-1], torch.ones_like(inputs["input_ids"]) if mask is None else mask)
+        leading, height, width = _grid(attention.shape[-1])
+        evidence = evidence * upsample(attention[:, leading:].reshape(-1, height, width), size)
+        name += f" x fusion layer {len(captured)}'s attention"
+    window = smoothing_window(size)
+    summed = F.avg_pool2d(evidence[:, None], window, stride=1, padding=window // 2, count_include_pad=False)
+    maps = _sum_to_one(summed[:, 0])
+    return ImageMaps(
+        maps=maps[:, None],
+        layers=[name],
+        method="guided_gradient" if guided else "input_x_gradient",
+        logits=logits,
+        targets=chosen,
+        leading_share=torch.zeros(maps.shape[0], 1),
     )
 
 
@@ -276,6 +406,136 @@ def peak_inside(maps: torch.Tensor, boxes: torch.Tensor, size: tuple[int, int]) 
     extra = (1,) * (y.dim() - 1)
     x0, y0, x1, y1 = (boxes[:, k].view(-1, *extra).float() for k in range(4))
     return (x >= x0 - 0.5) & (x <= x1 + 0.5) & (y >= y0 - 0.5) & (y <= y1 + 0.5)
+
+
+def peak_on(maps: torch.Tensor, masks: torch.Tensor) -> torch.Tensor:
+    """
+    Whether each map's peak falls on its mask: `maps` `(N, ..., h, w)`, `masks` `(N, H, W)` boolean, True on the pixels
+    where the peak should be (e.g. the object's, not the background's). The peak is the centre of the map's highest
+    cell, on the pixel it falls in (a centre on a border between pixels: the one below / to the right). Returns a
+    boolean `(N, ...)`.
+    """
+    size = tuple(masks.shape[-2:])
+    y, x = peak_pixels(maps, size)
+    rows = torch.floor(y + 0.5).long().clamp(0, size[0] - 1)
+    columns = torch.floor(x + 0.5).long().clamp(0, size[1] - 1)
+    index = torch.arange(len(masks)).view(-1, *(1,) * (rows.dim() - 1)).expand_as(rows)
+    return masks[index, rows, columns]
+
+
+def foreground_masks(pixel_values: torch.Tensor) -> torch.Tensor:
+    """`(N, H, W)` True where a pixel's colour differs from its image's median colour: on a plain background (an
+    easy-VQA image), the shape's pixels."""
+    return (pixel_values != median_colours(pixel_values)[..., None, None]).any(1)
+
+
+@dataclass
+class MapChecks:
+    """
+    The checks of [`check_maps`], one entry per pair.
+
+    Attributes:
+        method (`str`), layer (`str`): the map checked (its last layer's).
+        on_target (`torch.BoolTensor` `(N,)`): whether the map's peak falls on the pair's mask.
+        right (`torch.BoolTensor` `(N,)`): whether the model's answer is the expected one.
+        changed_at_peak, changed_at_random (`torch.BoolTensor` `(N,)`): [`deletion_test`].
+    """
+
+    method: str
+    layer: str
+    on_target: torch.Tensor
+    right: torch.Tensor
+    changed_at_peak: torch.Tensor
+    changed_at_random: torch.Tensor
+
+
+def check_maps(
+    model,
+    processor,
+    images: list,
+    texts: list[str],
+    masks,
+    answers: list[int],
+    method: str | None = None,
+    batch_size: int = 64,
+    side: int = 10,
+    seed: int = 0,
+    **map_kwargs,
+) -> MapChecks:
+    """
+    Whether a classification model's maps point and are faithful, over image-text pairs with their expected answers
+    (class ids): the map's peak on `masks` (`(N, H, W)` booleans at the model's input size, or a function of a batch's
+    uint8 `pixel_values` giving them, e.g. [`foreground_masks`]), and the [`deletion_test`] with `side` x `side`
+    squares (random squares from `seed`). `map_kwargs` go to `image_maps` (e.g. `token`, one per pair).
+    """
+    generator = torch.Generator().manual_seed(seed)
+    checks = {"on_target": [], "right": [], "changed_at_peak": [], "changed_at_random": []}
+    for start in range(0, len(texts), batch_size):
+        end = start + batch_size
+        inputs = dict(processor(images=images[start:end], text=texts[start:end]))
+        kwargs = {k: (v[start:end] if isinstance(v, torch.Tensor) and v.dim() else v) for k, v in map_kwargs.items()}
+        result = model.image_maps(**inputs, method=method, **kwargs)
+        batch_masks = masks(inputs["pixel_values"]) if callable(masks) else masks[start:end]
+        checks["on_target"].append(peak_on(result.maps[:, -1], batch_masks))
+        checks["right"].append(result.logits.argmax(-1) == torch.as_tensor(answers[start:end]))
+        at_peak, at_random = deletion_test(model, inputs, result.maps[:, -1], side, generator)
+        checks["changed_at_peak"].append(at_peak)
+        checks["changed_at_random"].append(at_random)
+    return MapChecks(result.method, result.layers[-1], **{k: torch.cat(v) for k, v in checks.items()})
+
+
+def median_colours(pixel_values: torch.Tensor) -> torch.Tensor:
+    """Each image's median colour `(N, C)` (per channel): the background's, on a plain background."""
+    return pixel_values.flatten(2).median(-1).values
+
+
+def paint(pixel_values: torch.Tensor, rows: torch.Tensor, columns: torch.Tensor, side: int) -> torch.Tensor:
+    """A copy of `pixel_values` `(N, C, H, W)` with a `side` x `side` square of each image's median colour centred on
+    its pixel `(rows[i], columns[i])` (moved inside the image where it would cross an edge)."""
+    painted = pixel_values.clone()
+    height, width = pixel_values.shape[-2:]
+    colours = median_colours(pixel_values)
+    for i, (row, column) in enumerate(zip(rows.tolist(), columns.tolist())):
+        top = min(max(int(row) - side // 2, 0), height - side)
+        left = min(max(int(column) - side // 2, 0), width - side)
+        painted[i, :, top : top + side, left : left + side] = colours[i, :, None, None]
+    return painted
+
+
+def deletion_test(
+    model, inputs: dict, maps: torch.Tensor, side: int = 10, generator: torch.Generator | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """
+    Whether the maps are faithful: for each pair (`inputs` as the model's `forward` takes them, one uint8 image per
+    pair), whether the top answer changes when the image's median colour is painted over the `side` x `side` square
+    centred on the map's peak (`maps` `(N, h, w)`), and when it is painted over a random square of that size that does
+    not overlap it. Returns the two boolean `(N,)` tensors; a faithful map changes the answer far more often at its
+    peak.
+    """
+    pixel_values = inputs["pixel_values"]
+    height, width = pixel_values.shape[-2:]
+    if height < 2 * side and width < 2 * side:
+        raise ValueError(f"A {height} x {width} image has no room for two {side} x {side} squares apart.")
+    # Square centres, kept where the whole square lies inside the image.
+    low, high_rows, high_columns = side // 2, height - side + side // 2, width - side + side // 2
+    y, x = peak_pixels(maps, (height, width))
+    rows = torch.floor(y + 0.5).long().clamp(low, high_rows)
+    columns = torch.floor(x + 0.5).long().clamp(low, high_columns)
+    # Random squares that do not overlap the peak's: centres `side` or more apart along a row or a column.
+    random_rows, random_columns = rows.clone(), columns.clone()
+    for i in range(len(rows)):
+        while abs(int(random_rows[i]) - int(rows[i])) < side and abs(int(random_columns[i]) - int(columns[i])) < side:
+            random_rows[i] = torch.randint(low, high_rows + 1, (), generator=generator)
+            random_columns[i] = torch.randint(low, high_columns + 1, (), generator=generator)
+    answers = []
+    with torch.no_grad():
+        for pixels in (
+            pixel_values,
+            paint(pixel_values, rows, columns, side),
+            paint(pixel_values, random_rows, random_columns, side),
+        ):
+            answers.append(model(**{**inputs, "pixel_values": pixels}).logits.argmax(-1))
+    return answers[1] != answers[0], answers[2] != answers[0]
 
 
 def reachable(grid: tuple[int, int], boxes: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:

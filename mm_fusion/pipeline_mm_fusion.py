@@ -297,10 +297,10 @@ class ImageTextClassificationPipeline(_MMFusionPipeline):
     a single input gives that list, several give a list of them.
 
     Keyword arguments: `top_k` (answers per input, default 1), `batch_size` (default 32), `return_map` (default
-    `False`): each answer also gets `"maps"`, where the model looked in the image, as `{layer name: (height, width)
-    float numpy array}` on the image's token grid, each summing to 1
-    (`MMFusionForImageTextClassification.image_maps`): the question's cross-attention per fusion layer (the same for
-    every answer), or for a late-fusion model Grad-CAM on the tower's last map read, for that answer.
+    `False`): each answer also gets `"maps"`, where the model looked in the image for that answer, as `{name:
+    (height, width) float numpy array}` on the image's pixels, summing to 1: the model's default map
+    (`MMFusionForImageTextClassification.image_maps`; its name says the method: input x gradient weighted by the
+    question's cross-attention, or by Grad-CAM for a late-fusion model). The map's pass gives the answers too.
     Scores are softmax probabilities for a single-label model and independent sigmoids for a multi-label one, as
     the model's `config.problem_type` says. The answers come from the answers seen in training (`config.id2label`).
     A question with words the tokenizer never saw ([`~_MMFusionPipeline.unknown_words`]) is answered from its other
@@ -343,10 +343,10 @@ class ImageTextClassificationPipeline(_MMFusionPipeline):
         for start, end in self._batches(len(order), batch_size, "image-text-classification"):
             chunk = order[start:end]
             model_inputs = self.preprocess([images[i] for i in chunk], [texts[i] for i in chunk], chunk)
-            outputs = self.forward(model_inputs)
-            answers = self.postprocess(outputs, top_k=top_k)
             if return_map:
-                self._add_maps(model_inputs, answers)
+                answers = self._answers_with_maps(model_inputs, top_k)
+            else:
+                answers = self.postprocess(self.forward(model_inputs), top_k=top_k)
             for i, result in zip(chunk, answers):
                 results[i] = result
         unknown = self.unknown_words(texts)
@@ -360,28 +360,31 @@ class ImageTextClassificationPipeline(_MMFusionPipeline):
         pixel_values, image_index = self._distinct_images(images, positions)
         return {"pixel_values": pixel_values, "image_index": image_index, **self._tokenize(texts)}
 
-    def _add_maps(self, model_inputs: dict[str, torch.Tensor], answers: list[list[dict[str, Any]]]) -> None:
-        """Each answer's `"maps"`: attention once per pair, Grad-CAM once per answer rank (it explains an answer)."""
+    def _answers_with_maps(self, model_inputs: dict[str, torch.Tensor], top_k: int) -> list[list[dict[str, Any]]]:
+        """The answers, each with its `"maps"`: the model's default map ([`~image_maps.default_method`]). Its pass
+        gives the answers' logits too, so no separate forward runs. A map computed from an answer's gradient explains
+        that answer: one pass per answer rank; an attention map is the same for every answer of a pair."""
         if not hasattr(self.model, "image_maps"):
             raise ValueError(
                 "return_map=True needs the model's `image_maps`, which this model's saved code predates: "
                 "load it with the installed mm_fusion, or save it again with it."
             )
         inputs = {k: v.to(self.device) for k, v in model_inputs.items()}
-        late = self.model.config.fusion_type == "late"
-        label2id = {label: int(i) for i, label in self.model.config.id2label.items()}
-        ranks = len(answers[0]) if late else 1
         with self.device_placement():
-            for rank in range(ranks):
-                targets = None
-                if late:
+            result = self.model.image_maps(**inputs)
+            answers = self.postprocess({"logits": result.logits}, top_k=top_k)
+            per_answer = result.method not in ("attention", "tower_attention")
+            label2id = {label: int(i) for i, label in self.model.config.id2label.items()}
+            for rank in range(len(answers[0]) if per_answer else 1):
+                if rank:
                     targets = torch.tensor([label2id[row[rank]["answer"]] for row in answers], device=self.device)
-                result = self.model.image_maps(**inputs, targets=targets)
+                    result = self.model.image_maps(**inputs, targets=targets)
                 maps = result.maps.float().cpu().numpy()
                 for row, pair_maps in zip(answers, maps):
                     layer_maps = dict(zip(result.layers, pair_maps))
-                    for answer in row if not late else row[rank : rank + 1]:
+                    for answer in row[rank : rank + 1] if per_answer else row:
                         answer["maps"] = layer_maps
+        return answers
 
     def postprocess(self, model_outputs, top_k: int = 1) -> list[list[dict[str, Any]]]:
         logits = model_outputs["logits"].float()

@@ -1,5 +1,5 @@
-"""Where a model looks: `MMFusionForImageTextClassification.image_maps` (attention and Grad-CAM), the pointing check
-and the pipeline's `return_map`."""
+"""Where a model looks: `MMFusionForImageTextClassification.image_maps` (the gradient maps, attention and Grad-CAM)
+and the pointing checks."""
 
 import copy
 
@@ -7,7 +7,16 @@ import pytest
 import torch
 
 from mm_fusion import MMFusionForImageTextClassification
-from mm_fusion.image_maps import peak_inside, reachable, upsample
+import torch.nn.functional as F
+
+from mm_fusion.image_maps import (
+    pixel_contributions,
+    peak_inside,
+    peak_on,
+    reachable,
+    smoothing_window,
+    upsample,
+)
 
 
 def classifier(tester, fusion_type: str, tower: str, **kwargs) -> MMFusionForImageTextClassification:
@@ -23,7 +32,7 @@ def test_attention_maps_are_the_probabilities_the_model_attends_with(tester, fus
     averaged over heads and the text's real tokens; a ViT's class token is reported apart, the rest on the grid."""
     model = classifier(tester, fusion_type, tower)
     inputs = tester.inputs()
-    result = model.image_maps(**inputs)
+    result = model.image_maps(**inputs, method="attention")
     assert result.method == "attention" and result.layers == ["fusion layer 1", "fusion layer 2"]
     eager = copy.deepcopy(model)
     eager.config._attn_implementation = {"": "eager"}  # the fusion only; the towers keep theirs
@@ -40,20 +49,89 @@ def test_attention_maps_are_the_probabilities_the_model_attends_with(tester, fus
         torch.testing.assert_close(grid.sum((-1, -2)) + result.leading_share[:, layer], torch.ones(3))
     torch.testing.assert_close(result.logits, outputs.logits)
     # One token's attention instead of the mean.
-    one = model.image_maps(**inputs, token=1)
+    one = model.image_maps(**inputs, method="attention", token=1)
     first = outputs.text_to_image_attentions[0][:, :, 1].mean(1)
     torch.testing.assert_close(one.maps[:, 0].flatten(1), first[:, 1 if tower == "vit" else 0 :])
     # One position per pair: each pair's map is that pair's token's.
     positions = torch.tensor([2, 0, 1])
-    each = model.image_maps(**inputs, token=positions)
+    each = model.image_maps(**inputs, method="attention", token=positions)
     own = outputs.text_to_image_attentions[0][torch.arange(3), :, positions].mean(1)
     torch.testing.assert_close(each.maps[:, 0].flatten(1), own[:, 1 if tower == "vit" else 0 :])
-    torch.testing.assert_close(each.maps[1], model.image_maps(**inputs, token=0).maps[1])
+    torch.testing.assert_close(each.maps[1], model.image_maps(**inputs, method="attention", token=0).maps[1])
+
+
+def test_input_x_gradient_is_the_first_order_change_of_giving_pixels_the_median_colour(tester):
+    """The signed contributions sum, over any set of pixels, to the rate at which the answer's logit falls as those
+    pixels move towards the image's median colour (a central difference, in float64); the map is their magnitude
+    summed over a window and scaled to 1."""
+    model = classifier(tester, "hierarchical", "resnet").double()
+    inputs = tester.inputs()
+    pixels = inputs["pixel_values"].double()  # float pixels are taken as normalised
+    inputs["pixel_values"] = pixels
+    contributions, logits, answers = pixel_contributions(model, inputs)
+    assert contributions.shape == (3, 30, 30) and torch.equal(answers, logits.argmax(-1))
+    median = pixels.flatten(2).median(-1).values[..., None, None]
+    patch = torch.zeros(1, 1, 30, 30, dtype=torch.float64)
+    patch[..., 4:12, 10:20] = 1.0
+
+    def logit(step: float) -> torch.Tensor:
+        moved = pixels + step * (median - pixels) * patch
+        with torch.no_grad():
+            return model(**{**inputs, "pixel_values": moved}).logits.gather(1, answers[:, None])[:, 0]
+
+    step = 1e-4
+    falls = -(logit(step) - logit(-step)) / (2 * step)
+    torch.testing.assert_close(falls, (contributions * patch[0]).sum((-1, -2)), rtol=1e-5, atol=1e-8)
+    result = model.image_maps(**inputs, method="input_x_gradient")
+    assert result.method == "input_x_gradient" and result.layers == ["input x gradient"]
+    window = smoothing_window((30, 30))
+    summed = F.avg_pool2d(contributions.abs()[:, None], window, 1, window // 2, count_include_pad=False)[:, 0]
+    torch.testing.assert_close(result.maps[:, 0], summed / summed.sum((-1, -2), keepdim=True).float())
+    other = (answers + 1) % tester.num_labels  # another answer, another map
+    assert not torch.allclose(model.image_maps(**inputs, method="input_x_gradient", targets=other).maps, result.maps)
+    assert all(p.grad is None for p in model.parameters())  # the model is left as it was
+
+
+def test_gradient_maps_are_zero_on_a_plain_background(tester):
+    """Pixels of the image's median colour contribute nothing: on a plain background with one square, the map is 0
+    wherever its window holds none of the square."""
+    model = classifier(tester, "hierarchical", "resnet")
+    inputs = tester.inputs()
+    image = torch.full((3, 3, 30, 30), 200, dtype=torch.uint8)
+    image[:, 0, 10:16, 12:18] = 30  # a square of another colour
+    result = model.image_maps(**{**inputs, "pixel_values": image}, method="input_x_gradient")
+    half = smoothing_window((30, 30)) // 2
+    near = torch.zeros(30, 30, dtype=torch.bool)
+    near[10 - half : 16 + half, 12 - half : 18 + half] = True
+    assert (result.maps[:, 0, ~near] == 0).all() and (result.maps[:, 0, near] > 0).any(-1).all()
+    assert peak_on(result.maps[:, 0], near.expand(3, -1, -1)).all()
+
+
+@pytest.mark.parametrize("fusion_type", ["hierarchical", "late"])
+def test_guided_gradient_weights_the_pixels_by_the_models_coarse_map(tester, fusion_type):
+    """The default map: input x gradient weighted by the last fusion layer's attention (by Grad-CAM for late
+    fusion), put on the pixels bilinearly, summed over the window and scaled to 1; every answer gets its own."""
+    model = classifier(tester, fusion_type, "resnet")
+    inputs = tester.inputs()
+    result = model.image_maps(**inputs)
+    assert result.method == "guided_gradient"
+    coarse = "Grad-CAM on the vision stage 2" if fusion_type == "late" else "fusion layer 2's attention"
+    assert result.layers == [f"input x gradient x {coarse}"]
+    contributions, logits, answers = pixel_contributions(model, inputs)
+    torch.testing.assert_close(result.logits, logits)
+    method = "grad_cam" if fusion_type == "late" else "attention"
+    weights = upsample(model.image_maps(**inputs, method=method).maps[:, -1], (30, 30))
+    window = smoothing_window((30, 30))
+    summed = F.avg_pool2d((contributions.abs() * weights)[:, None], window, 1, window // 2, count_include_pad=False)
+    torch.testing.assert_close(result.maps[:, 0], summed[:, 0] / summed.sum((-1, -2), keepdim=True)[:, 0])
+    other = model.image_maps(**inputs, targets=(answers + 1) % tester.num_labels)
+    assert not torch.allclose(other.maps, result.maps)
 
 
 def test_maps_of_texts_sharing_an_image(tester):
     """Texts that share an image through `image_index` get the maps they get with their own copy of it."""
-    for fusion_type, method in (("hierarchical", "attention"), ("hierarchical", "grad_cam"), ("late", "grad_cam")):
+    cases = [("hierarchical", m) for m in ("attention", "grad_cam", "input_x_gradient", "guided_gradient")]
+    for fusion_type, method in [*cases, ("late", "grad_cam"), ("late", "guided_gradient")]:
         model = classifier(tester, fusion_type, "resnet")
         inputs = tester.inputs()
         image_index = torch.tensor([0, 0, 1])
@@ -67,13 +145,13 @@ def test_maps_of_texts_sharing_an_image(tester):
 def test_grad_cam_explains_the_answer_asked_for(tester):
     model = classifier(tester, "late", "resnet")
     inputs = tester.inputs()
-    top = model.image_maps(**inputs)
+    top = model.image_maps(**inputs, method="grad_cam")
     assert top.method == "grad_cam" and top.layers == ["Grad-CAM, vision stage 2"]
     assert torch.equal(top.targets, top.logits.argmax(-1))
     assert top.maps.shape == (3, 1, 4, 4) and (top.maps >= 0).all()
     torch.testing.assert_close(top.maps.sum((-1, -2)), torch.ones(3, 1))
     other = (top.targets + 1) % tester.num_labels
-    again = model.image_maps(**inputs, targets=other)
+    again = model.image_maps(**inputs, method="grad_cam", targets=other)
     assert torch.equal(again.targets, other) and not torch.allclose(again.maps, top.maps)
     assert all(p.grad is None for p in model.parameters())  # the model is left as it was
 
@@ -83,7 +161,7 @@ def test_grad_cam_of_a_film_model_follows_the_question(tester):
     model = classifier(tester, "late", "resnet", vision_film=True, init_scheme="pytorch")
     inputs = tester.inputs()
     pixel_values = inputs["pixel_values"][:1].expand(3, -1, -1, -1)
-    result = model.image_maps(**{**inputs, "pixel_values": pixel_values})
+    result = model.image_maps(**{**inputs, "pixel_values": pixel_values}, method="grad_cam")
     assert not torch.allclose(result.maps[0], result.maps[1])
 
 
@@ -129,19 +207,33 @@ def test_wrong_requests_are_named(tester):
     with pytest.raises(ValueError, match="Unknown map method 'saliency'"):
         late.image_maps(**inputs, method="saliency")
     fused = classifier(tester, "hierarchical", "resnet")
-    with pytest.raises(ValueError, match="`targets` choose the answer a Grad-CAM map explains"):
-        fused.image_maps(**inputs, targets=torch.zeros(3, dtype=torch.long))
+    with pytest.raises(ValueError, match="`targets` choose the answer a gradient map explains; a 'attention' map"):
+        fused.image_maps(**inputs, method="attention", targets=torch.zeros(3, dtype=torch.long))
+    with pytest.raises(ValueError, match="a 'guided_gradient' map has no tokens"):
+        fused.image_maps(**inputs, token=1)
     with pytest.raises(ValueError, match="outside the texts' 7 positions"):
-        fused.image_maps(**inputs, token=7)
+        fused.image_maps(**inputs, method="attention", token=7)
     with pytest.raises(ValueError, match="outside the texts' 7 positions"):
-        fused.image_maps(**inputs, token=torch.tensor([0, -1, 2]))
+        fused.image_maps(**inputs, method="attention", token=torch.tensor([0, -1, 2]))
     with pytest.raises(ValueError, match=r"one position or one per pair \(3\), got \[2\]"):
-        fused.image_maps(**inputs, token=torch.tensor([0, 1]))
+        fused.image_maps(**inputs, method="attention", token=torch.tensor([0, 1]))
     with pytest.raises(ValueError, match="this model's vision tower reads no text"):
         fused.image_maps(**inputs, method="tower_attention", token=1)
     reading = classifier(tester, "hierarchical", "resnet", vision_text_attention=True)
     with pytest.raises(ValueError, match="method='tower_attention' needs `token`"):
         reading.image_maps(**inputs, method="tower_attention")
+
+
+def test_peak_on_reads_the_mask_at_the_peak():
+    maps = torch.zeros(3, 4, 4)
+    maps[0, 1, 2] = 1.0  # 4 x 4 cells on 64 px: the centre (23.5, 39.5) falls in pixel (24, 40)
+    maps[1, 0, 0] = 1.0  # centre (7.5, 7.5): pixel (8, 8)
+    pixels = torch.zeros(3, 64, 64)
+    pixels[2, 63, 0] = 1.0  # a map on the pixels: its peak is that pixel
+    masks = torch.zeros(3, 64, 64, dtype=torch.bool)
+    masks[0, 24, 40] = masks[1, 7, 7] = masks[2, 63, 0] = True
+    assert peak_on(maps[:2], masks[:2]).tolist() == [True, False]
+    assert peak_on(pixels, masks).tolist() == [False, False, True]
 
 
 def test_peak_inside_takes_the_centre_of_the_highest_cell():

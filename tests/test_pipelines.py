@@ -171,21 +171,33 @@ def test_vqa_pipeline_call_forms_and_image_sharing(vqa_run):
 
 
 def test_vqa_pipeline_returns_where_the_model_looked(vqa_run):
-    """`return_map=True`: every answer carries the model's own maps for its pair (attention for this hierarchical
-    model: the same for each answer), and the answers are unchanged."""
+    """`return_map=True`: every answer carries the model's default map for its pair and that answer (input x
+    gradient weighted by the attention: each answer its own), from the pass that gives the answers, which are
+    unchanged."""
     out, _, _ = vqa_run
     pipe = pipeline("image-text-classification", model=str(out))
     rows = _eval_rows(3)
     images, questions = [rows[0]["image"]] * 2 + [rows[2]["image"]], [r["question"] for r in rows]
     plain = pipe(image=images, question=questions, top_k=2)
-    mapped = pipe(image=images, question=questions, top_k=2, return_map=True)
+    calls = []
+    hook = pipe.model.register_forward_hook(lambda module, args, output: calls.append(1))
+    try:
+        mapped = pipe(image=images, question=questions, top_k=2, return_map=True)
+    finally:
+        hook.remove()
+    assert len(calls) == 2  # one pass per answer rank, the answers from the first
     assert [[{k: a[k] for k in ("answer", "score")} for a in row] for row in mapped] == plain
     batch = AutoProcessor.from_pretrained(out)(images=images, text=questions)
-    expected = pipe.model.image_maps(**batch)
-    for k, row in enumerate(mapped):
-        for answer in row:
-            assert list(answer["maps"]) == ["fusion layer 1"]
-            np.testing.assert_allclose(answer["maps"]["fusion layer 1"], expected.maps[k, 0].numpy(), atol=1e-6)
+    name = "input x gradient x fusion layer 1's attention"
+    label2id = {label: int(i) for i, label in pipe.model.config.id2label.items()}
+    for rank in range(2):
+        targets = torch.tensor([label2id[row[rank]["answer"]] for row in mapped])
+        expected = pipe.model.image_maps(**batch, targets=targets)
+        assert expected.layers == [name]
+        for k, row in enumerate(mapped):
+            assert list(row[rank]["maps"]) == [name] and row[rank]["maps"][name].shape == (64, 64)
+            np.testing.assert_allclose(row[rank]["maps"][name], expected.maps[k, 0].numpy(), atol=1e-6)
+    assert not np.allclose(mapped[0][0]["maps"][name], mapped[0][1]["maps"][name])
     with pytest.raises(ValueError, match="return_map must be True or False"):
         pipe(image=images[0], question=questions[0], return_map="yes")
 

@@ -1,25 +1,29 @@
-"""Pointing accuracy: does the map a Sort-of-CLEVR model reads the image by peak on the object the question names?
+"""Maps that point, and are faithful: does the map a model reads the image by peak on the object the question names,
+and does painting over its peak change the answer?
 
-Every held-out Sort-of-CLEVR question names one object by its colour, and the generator knows where each object is.
-For each question, the model's map (`MMFusionForImageTextClassification.image_maps`: the question's cross-attention per
-fusion layer, or Grad-CAM on the tower's last map read) is put on the image's pixels; the question counts as pointed
-at when the map's highest pixel lies inside the named object's square. Reported per method, layer and question
-family, with the model's answer accuracy on the same questions. For attention, the map is the mean over the question's
-tokens, and also (`attention_colour_word`) the attention of the word that names the colour alone. A tower conditioned
-by cross-attention (`vision_text_attention`) adds `tower_attention_colour_word`: per stage, the attention its cells
-give the colour word. For the
-non-relational families (shape, left, top) the named object is all a right answer needs; for the relational ones it
-is where the reading starts.
-Chance: an object covers 10 x 10 of the 64 x 64 pixels, 2.4% of the image. On a coarse grid a small object may hold
-no cell's centre at all; `reachable_non_relational` is the share of non-relational questions whose object holds one,
-the most a map on that grid can score (1.0 from 8 x 8 cells up at 64 px; about 0.55 on a 4 x 4 grid).
+Sort-of-CLEVR (`--dataset sort_of_clevr`, the default): every held-out question names one object by its colour, and
+the generator knows where each object is. A question counts as pointed at when its map's peak lies inside the named
+object's square. For the non-relational families (shape, left, top) the named object is all a right answer needs; for
+the relational ones it is where the reading starts. easy-VQA (`--dataset easy_vqa`): one shape on a plain background;
+the peak must fall on the shape's pixels (those whose colour differs from the image's median colour).
 
-    python scripts/benchmarks/benchmark_pointing.py --model outputs/sort_of_clevr --run hierarchical
+Every map the model has is measured (`MMFusionForImageTextClassification.image_maps`): the default
+(`guided_gradient`), `input_x_gradient`, the question's cross-attention (mean over its tokens, and the colour word's
+alone), Grad-CAM, and for a tower conditioned by cross-attention its stages' reads of the colour word. For each:
+pointing per family, and the deletion test (`mm_fusion.image_maps.deletion_test`: the image's median colour painted
+over the 10 x 10 square at the peak, and over a random square away from it; how often the answer changes). On
+Sort-of-CLEVR also, whatever the map: the counterfactual (re-draw the scene with only the named object's shape
+changed, then only another object's: the answer should follow the first and ignore the second) and what removing the
+named object, or another one, does to the answer.
+
+    python scripts/benchmarks/benchmark_pointing.py --model outputs/sort_of_clevr_hierarchical --name hierarchical
+    python scripts/benchmarks/benchmark_pointing.py --model outputs/easy_vqa --dataset easy_vqa --name easy_vqa
     python scripts/benchmarks/benchmark_pointing.py --model outputs/sort_of_clevr --grid pointing_grid.png
 
-`--run NAME` adds the figures to that row of scripts/benchmarks/results/sort_of_clevr.json (as `pointing`); the
-figures are printed as a table either way. `--grid` draws 8 held-out questions (non-relational, every family and
-colour) with their maps and the named object's square.
+`--name` stores the report in scripts/benchmarks/results/pointing.json (and its tables in pointing.md) under that
+name; `--run NAME` adds it to that row of results/sort_of_clevr.json (as `pointing`). `--grid` draws 8 held-out
+questions (non-relational, every family and colour) with the default map and the named object's square. Chance: an
+object covers 10 x 10 of the 64 x 64 pixels, 2.4% of the image.
 """
 
 import argparse
@@ -30,7 +34,7 @@ import sys
 import numpy as np
 import torch
 import yaml
-from benchmarking import RESULTS, ROOT, machine, markdown_table
+from benchmarking import RESULTS, ROOT, check_choices, machine, markdown_table
 
 
 NON_RELATIONAL = ("shape", "horizontal", "vertical")
@@ -82,13 +86,24 @@ def colour_word_positions(tokenizer, questions: list[str]) -> torch.Tensor:
 
 
 def measure(
-    model, processor, test, boxes, method: str | None, batch_size: int = 64, colour_word: bool = False
+    model,
+    processor,
+    test,
+    boxes,
+    method: str | None,
+    batch_size: int = 64,
+    colour_word: bool = False,
+    deletion: bool = False,
+    seed: int = 0,
 ) -> dict:
     """Pointing accuracy per layer and family (and overall for the non-relational families), answer accuracy. With
-    `colour_word` (attention only), the map is the colour word's attention alone, not the mean over the question."""
-    from mm_fusion.image_maps import peak_inside, reachable
+    `colour_word` (attention only), the map is the colour word's attention alone, not the mean over the question. With
+    `deletion`, the deletion test of its last layer's map ([`deletion_figures`])."""
+    from mm_fusion.image_maps import deletion_test, peak_inside, reachable
 
     pointed, possible, right, families, layers, used = [], [], [], [], None, None
+    changed = {"peak": [], "random": []}
+    generator = torch.Generator().manual_seed(seed)
     names = model.config.id2label
     answers = test.features["answer"].names
     for start in range(0, len(test), batch_size):
@@ -106,6 +121,12 @@ def measure(
         possible.append(reachable(tuple(result.maps.shape[-2:]), box, (height, width)))
         right += [names[int(p)] == answers[a] for p, a in zip(result.logits.argmax(-1), rows["answer"])]
         families += rows["question_family"]
+        if deletion:  # per layer: (questions, layers)
+            tests = [
+                deletion_test(model, dict(batch), result.maps[:, k], generator=generator) for k in range(len(layers))
+            ]
+            changed["peak"].append(torch.stack([t[0] for t in tests], 1))
+            changed["random"].append(torch.stack([t[1] for t in tests], 1))
     pointed = torch.cat(pointed).float().numpy()  # (questions, layers)
     possible = torch.cat(possible).float().numpy()  # (questions,): the maps' grid holds a cell centred in the object
     right = np.array(right, dtype=float)
@@ -127,7 +148,109 @@ def measure(
     figures["answer_accuracy"] |= {
         f: round(float(right[families == f].mean()), 4) for f in FAMILIES if (families == f).any()
     }
+    if deletion:  # of the best layer's map
+        k = layers.index(best)
+        at_peak, at_random = (torch.cat(changed[key])[:, k].float().numpy() for key in ("peak", "random"))
+        groups = {"non_relational": non_relational, **{f: families == f for f in FAMILIES if (families == f).any()}}
+        figures["deletion"] = {"layer": best, **deletion_figures(at_peak, at_random, groups)}
     return figures
+
+
+def deletion_figures(at_peak: np.ndarray, at_random: np.ndarray, groups: dict[str, np.ndarray]) -> dict:
+    """Per group of questions: how often the answer changed with the peak's square painted, with a random square
+    painted, and the ratio of the two (the target: 3 or more; None where no random square changed an answer)."""
+    figures = {}
+    for name, members in groups.items():
+        peak, random = float(at_peak[members].mean()), float(at_random[members].mean())
+        ratio = round(peak / random, 2) if random > 0 else None  # None: no random square changed an answer
+        figures[name] = {"at_peak": round(peak, 4), "at_random": round(random, 4), "ratio": ratio}
+    return figures
+
+
+def scene_variants(test, object_size: int, seed: int = 0) -> tuple[list, list, list[int], list[int]]:
+    """For each shape question: its scene re-drawn with only the named object's shape changed, and with only another
+    object's (drawn at random) changed; the answers each then has (the named object's new shape, and the same as
+    before)."""
+    from mm_fusion.data.sort_of_clevr import SHAPES, render_scene
+
+    pattern = colour_pattern()
+    rng = np.random.default_rng(seed)
+    names = test.features["answer"].names
+    size = test[0]["image"].width
+    named_changed, other_changed, follow, stay = [], [], [], []
+    for question, objects, answer in zip(test["question"], test["objects"], test["answer"]):
+        colour = pattern.search(question).group(1)
+        others = [k for k, o in enumerate(objects) if o["colour"] != colour]
+        variants = []
+        named = next(k for k, o in enumerate(objects) if o["colour"] == colour)
+        for changed in (named, others[rng.integers(len(others))]):
+            scene = [dict(o) for o in objects]
+            scene[changed]["shape"] = SHAPES[1 - SHAPES.index(scene[changed]["shape"])]
+            variants.append(scene)
+        named_changed.append(render_scene(variants[0], size, object_size))
+        other_changed.append(render_scene(variants[1], size, object_size))
+        new_shape = next(o["shape"] for o in variants[0] if o["colour"] == colour)
+        follow.append(names.index(new_shape))
+        stay.append(answer)
+    return named_changed, other_changed, follow, stay
+
+
+def predict(model, processor, images: list, texts: list[str], batch_size: int = 128) -> np.ndarray:
+    """The model's top answers (class ids)."""
+    answers = []
+    for start in range(0, len(texts), batch_size):
+        batch = processor(images=images[start : start + batch_size], text=texts[start : start + batch_size])
+        with torch.no_grad():
+            answers.append(model(**batch).logits.argmax(-1))
+    return torch.cat(answers).numpy()
+
+
+def counterfactual(model, processor, test, object_size: int) -> dict:
+    """Shape questions, their scenes re-drawn: the share whose answer follows the named object's changed shape, and
+    the share whose answer stays when another object's shape changes (the targets: 0.95 each)."""
+    shape = test.filter(lambda f: [x == "shape" for x in f], input_columns="question_family", batched=True)
+    named_changed, other_changed, follow, _ = scene_variants(shape, object_size)
+    questions = list(shape["question"])
+    followed = predict(model, processor, named_changed, questions) == np.array(follow)
+    before = predict(model, processor, list(shape["image"]), questions)
+    stayed = predict(model, processor, other_changed, questions) == before
+    return {
+        "questions": len(questions),
+        "follows_the_named_object": round(float(followed.mean()), 4),
+        "ignores_another_object": round(float(stayed.mean()), 4),
+    }
+
+
+def object_removal(model, processor, test, object_size: int) -> dict:
+    """What the answer rests on, per family (and per answer for left / top): how often it changes when the named
+    object is removed from the scene (re-drawn without it), and when another object is."""
+    from mm_fusion.data.sort_of_clevr import render_scene
+
+    pattern = colour_pattern()
+    rng = np.random.default_rng(0)
+    size = test[0]["image"].width
+    without_named, without_other = [], []
+    for question, objects in zip(test["question"], test["objects"]):
+        colour = pattern.search(question).group(1)
+        others = [o for o in objects if o["colour"] != colour]
+        other = others[rng.integers(len(others))]
+        without_named.append(render_scene(others, size, object_size))
+        without_other.append(render_scene([o for o in objects if o is not other], size, object_size))
+    questions = list(test["question"])
+    before = predict(model, processor, list(test["image"]), questions)
+    named = predict(model, processor, without_named, questions) != before
+    other = predict(model, processor, without_other, questions) != before
+    answers = test.features["answer"].names
+    groups = []
+    for family, answer in zip(test["question_family"], before):
+        groups.append(f"{family} ({answers[answer]})" if family in ("horizontal", "vertical") else family)
+    groups = np.array(groups)
+    return {
+        group: {"named_removed": round(float(named[groups == group].mean()), 4),
+                "other_removed": round(float(other[groups == group].mean()), 4),
+                "questions": int((groups == group).sum())}
+        for group in sorted(set(groups))
+    }  # fmt: skip
 
 
 def grid_examples(test, count: int = 8) -> list[int]:
@@ -150,7 +273,7 @@ def grid_examples(test, count: int = 8) -> list[int]:
 
 
 def draw_grid(model, processor, test, boxes, path: str, method: str | None, colour_word: bool = False) -> None:
-    from mm_fusion.image_maps import plot
+    from mm_fusion.image_maps import describe, plot
 
     picked = grid_examples(test)
     rows = test.select(picked)[:]  # plain lists: a processor takes no `datasets` Column
@@ -171,14 +294,10 @@ def draw_grid(model, processor, test, boxes, path: str, method: str | None, colo
             "layers": result.layers,
             "box": boxes[picked[k]].tolist(),
         })  # fmt: skip
-    kinds = {"attention": "cross-attention", "tower_attention": "The tower's reads", "grad_cam": "Grad-CAM"}
-    kind = kinds[result.method]
-    if colour_word and result.method == "tower_attention":
-        title = "The attention the tower's cells give the colour word\n(green: the named object; +: the peak)"
-    elif colour_word:
-        title = "The colour word's attention\n(green: the named object; +: the peak)"
-    else:
-        title = f"{kind} on 8 held-out Sort-of-CLEVR questions (green: the named object; +: the peak)"
+    word = " (the colour word's)" if colour_word else ""
+    title = (
+        f"{describe(result.method)}{word}: 8 held-out Sort-of-CLEVR questions (green: the named object; +: the peak)"
+    )
     plot(drawn, path, title=title)
 
 
@@ -187,26 +306,27 @@ def table(figures: dict) -> str:
     rows = []
     method = figures["method"] + (f" ({figures['token']})" if "token" in figures else "")
     for layer, entry in figures["per_layer"].items():
-        rows.append(
-            [
-                method,
-                layer,
-                f"{entry['non_relational']:.3f}",
-                *(f"{entry.get(f, float('nan')):.3f}" for f in FAMILIES),
-            ]
-        )
+        rows.append([method, layer, f"{entry['non_relational']:.3f}", *(cell(entry.get(f)) for f in FAMILIES)])
     answers = figures["answer_accuracy"]
     rows.append(
-        [
-            "(answer accuracy)",
-            "",
-            f"{answers['non_relational']:.3f}",
-            *(f"{answers.get(f, float('nan')):.3f}" for f in FAMILIES),
-        ]
+        ["(answer accuracy)", "", f"{answers['non_relational']:.3f}", *(cell(answers.get(f)) for f in FAMILIES)]
     )
     if "reachable_non_relational" in figures:  # measured since 2026-11-27
         rows.append(["(the most this grid allows)", "", f"{figures['reachable_non_relational']:.3f}", *[""] * 6])
+    if "deletion" in figures:  # measured since 2026-12-01
+        deletion = figures["deletion"]
+        for key, what in (("at_peak", "peak's square painted"), ("at_random", "a random square painted")):
+            values = [cell(deletion.get(f, {}).get(key)) for f in ("non_relational", *FAMILIES)]
+            rows.append([f"(answer changes, {what})", deletion["layer"], *values])
+        rows.append(
+            ["(ratio)", "", *(cell(deletion.get(f, {}).get("ratio"), 2) for f in ("non_relational", *FAMILIES))]
+        )
     return markdown_table(header, rows)
+
+
+def cell(value: float | None, digits: int = 3) -> str:
+    """A figure for a table; "–" for none (a ratio whose random squares changed no answer)."""
+    return "–" if value is None else f"{value:.{digits}f}"
 
 
 def load(model_dir: str):
@@ -219,65 +339,168 @@ def load(model_dir: str):
     return model, AutoProcessor.from_pretrained(model_dir)
 
 
+def candidate_methods(config) -> list[str]:
+    """The maps a model has: the default first."""
+    from mm_fusion.image_maps import default_method
+
+    methods = [default_method(config), "input_x_gradient", "grad_cam"]
+    if config.fusion_type != "late":
+        methods.insert(2, "attention")
+    return list(dict.fromkeys(methods))
+
+
 def pointing(
     model_dir: str,
     dataset_options: str | None = None,
     images: int = 1000,
-    methods=(None,),
+    methods=None,
     grid: str | None = None,
     grid_colour_word: bool = False,
     grid_method: str | None = None,
 ) -> dict:
-    """The figures of a saved model, per method (`None`: the model's default, attention or Grad-CAM; a tower
-    conditioned by `vision_text_attention` adds its reads of the colour word); with `grid`, the 8-question drawing of
-    its maps there too (`grid_method`, default the model's; of the colour word's attention with `grid_colour_word`)."""
+    """The figures of a saved Sort-of-CLEVR model: per method (default: every map it has, [`candidate_methods`]; for
+    attention the colour word's too, and a tower conditioned by `vision_text_attention` adds its reads of the colour
+    word) its pointing and deletion test; the counterfactual and the object removals; with `grid`, the 8-question
+    drawing of its maps there too (`grid_method`, default the model's; the colour word's with `grid_colour_word`)."""
+    from mm_fusion.training import parse_overrides
+
     model, processor = load(model_dir)
     options = dataset_options or recipe_dataset_options()
     test, boxes = held_out_questions(options, images)
     report = {"images": images, "dataset_options": options, "by_method": {}}
-    for method in methods:
-        figures = measure(model, processor, test, boxes, method)
+    for method in methods or candidate_methods(model.config):
+        figures = measure(model, processor, test, boxes, method, deletion=True)
         report["by_method"][figures["method"]] = figures
         if figures["method"] == "attention":  # and the colour word's own map, beside the question's mean
-            word = measure(model, processor, test, boxes, method, colour_word=True)
+            word = measure(model, processor, test, boxes, method, colour_word=True, deletion=True)
             report["by_method"]["attention_colour_word"] = word
     if getattr(model.config, "vision_text_attention", False):  # the tower's own reads of the colour word
-        word = measure(model, processor, test, boxes, "tower_attention", colour_word=True)
+        word = measure(model, processor, test, boxes, "tower_attention", colour_word=True, deletion=True)
         report["by_method"]["tower_attention_colour_word"] = word
+    object_size = parse_overrides(options, flag="--dataset_options").get("object_size", 10)
+    report["counterfactual"] = counterfactual(model, processor, test, object_size)
+    report["object_removal"] = object_removal(model, processor, test, object_size)
     report["machine"] = machine()
     if grid:
         draw_grid(model, processor, test, boxes, grid, grid_method, colour_word=grid_colour_word)
     return report
 
 
+def easy_vqa_pointing(model_dir: str, questions: int | None = None, methods=None) -> dict:
+    """The figures of a saved easy-VQA model on its test questions (the first `questions`, default all): per method,
+    the share whose map peaks on the shape's pixels, and the deletion test, per question type."""
+    from PIL import Image
+
+    from mm_fusion.data import load_easy_vqa
+    from mm_fusion.image_maps import check_maps, foreground_masks
+
+    model, processor = load(model_dir)
+    test = load_easy_vqa(["test"])["test"]
+    if questions is not None:
+        test = test.select(range(min(questions, len(test))))
+    images = [Image.open(path).convert("RGB") for path in test["image"]]
+    types = np.array(test["question_type"])
+    groups = {"all": np.ones(len(types), dtype=bool), **{t: types == t for t in sorted(set(types))}}
+    label2id = {label: int(i) for i, label in model.config.id2label.items()}
+    names = test.features["answer"].names
+    answers = [label2id[names[a]] for a in test["answer"]]
+    report = {"questions": len(test), "by_method": {}}
+    for method in methods or candidate_methods(model.config):
+        checks = check_maps(model, processor, images, list(test["question"]), foreground_masks, answers, method)
+        on_shape, right = checks.on_target.float().numpy(), checks.right.float().numpy()
+        report["by_method"][checks.method] = {
+            "layer": checks.layer,
+            "on_shape": {g: round(float(on_shape[m].mean()), 4) for g, m in groups.items()},
+            "answer_accuracy": {g: round(float(right[m].mean()), 4) for g, m in groups.items()},
+            "deletion": deletion_figures(
+                checks.changed_at_peak.float().numpy(), checks.changed_at_random.float().numpy(), groups
+            ),
+        }
+    report["machine"] = machine()
+    return report
+
+
+def easy_vqa_table(report: dict) -> str:
+    groups = list(next(iter(report["by_method"].values()))["on_shape"])
+    rows = []
+    for method, figures in report["by_method"].items():
+        rows.append([method, "peak on the shape", *(cell(figures["on_shape"][g]) for g in groups)])
+        for key, what in (("at_peak", "answer changes, peak's square painted"), ("at_random", "a random square")):
+            rows.append([method, what, *(cell(figures["deletion"][g][key]) for g in groups)])
+        rows.append([method, "ratio", *(cell(figures["deletion"][g]["ratio"], 2) for g in groups)])
+    return markdown_table(["method", "figure", *groups], rows)
+
+
+def sort_of_clevr_extra_tables(report: dict) -> str:
+    counter = report["counterfactual"]
+    lines = [
+        f"Counterfactual, {counter['questions']} shape questions: the answer follows the named object's changed shape "
+        f"for {counter['follows_the_named_object']:.3f}, and stays when another object's shape changes for "
+        f"{counter['ignores_another_object']:.3f}.",
+        "",
+        markdown_table(
+            ["family (answer)", "questions", "named object removed: answer changes", "another object removed"],
+            [
+                [g, f["questions"], cell(f["named_removed"]), cell(f["other_removed"])]
+                for g, f in report["object_removal"].items()
+            ],  # fmt: skip
+        ),
+    ]
+    return "\n".join(lines)
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", required=True, help="A Sort-of-CLEVR VQA model saved by scripts/train.py.")
-    parser.add_argument("--dataset_options", default=None, help="Its data (default: the recipe's).")
-    parser.add_argument("--images", type=int, default=1000, help="Held-out images (all their questions).")
-    parser.add_argument("--grad_cam_too", action="store_true", help="For an attention model, Grad-CAM as well.")
+    parser.add_argument("--model", required=True, help="A VQA model saved by scripts/train.py.")
+    parser.add_argument("--dataset", default="sort_of_clevr", choices=("sort_of_clevr", "easy_vqa"), help="Its data.")
+    parser.add_argument("--dataset_options", default=None, help="Sort-of-CLEVR's options (default: the recipe's).")
+    parser.add_argument("--images", type=int, default=1000, help="Sort-of-CLEVR: held-out images (all questions).")
+    parser.add_argument("--questions", type=int, default=None, help="easy-VQA: the first N test questions (all).")
+    parser.add_argument("--methods", default=None, help="Comma-separated maps to measure (default: all it has).")
+    parser.add_argument("--name", default=None, help="Store the report in results/pointing.json under this name.")
     parser.add_argument("--run", default=None, help="Add the figures to this row of results/sort_of_clevr.json.")
     parser.add_argument("--results", default=str(RESULTS / "sort_of_clevr.json"))
     parser.add_argument("--grid", default=None, help="Also draw 8 held-out questions with their maps to this PNG.")
     parser.add_argument("--grid_colour_word", action="store_true", help="Draw the colour word's attention alone.")
-    parser.add_argument("--grid_method", default=None, help="The grid's maps: attention, tower_attention or grad_cam.")
+    parser.add_argument("--grid_method", default=None, help="The grid's maps (default: the model's default).")
     args = parser.parse_args(argv)
-    methods = (None, "grad_cam") if args.grad_cam_too else (None,)
+    methods = args.methods.split(",") if args.methods else None
+    if methods:
+        from mm_fusion.image_maps import METHODS
+
+        check_choices(methods, METHODS, "--methods")
     path = ROOT / args.results
     rows = json.loads(path.read_text()) if args.run else {}
     if args.run and args.run not in rows:  # before any work
         raise SystemExit(f"--run {args.run}: no such row in {path} (rows: {', '.join(rows)}).")
-    report = pointing(
-        args.model, args.dataset_options, args.images, methods, args.grid, args.grid_colour_word, args.grid_method
-    )
-    for figures in report["by_method"].values():
-        print(table(figures))
+    if args.dataset == "easy_vqa":
+        report = easy_vqa_pointing(args.model, args.questions, methods)
+        text = easy_vqa_table(report)
+    else:
+        report = pointing(
+            args.model, args.dataset_options, args.images, methods, args.grid, args.grid_colour_word, args.grid_method
+        )
+        text = "\n\n".join([*(table(f) for f in report["by_method"].values()), sort_of_clevr_extra_tables(report)])
+    report = {"model": args.model, "dataset": args.dataset, **report}
+    print(text)
     if args.grid:
         print(f"grid: {args.grid}", file=sys.stderr)
     if args.run:
         rows[args.run]["pointing"] = report
         path.write_text(json.dumps(rows, indent=2) + "\n")
+    if args.name:
+        store(args.name, report, text)
     return report
+
+
+def store(name: str, report: dict, text: str) -> None:
+    """The report in results/pointing.json under `name`, and its tables in results/pointing.md, beside the others."""
+    path = RESULTS / "pointing.json"
+    reports = json.loads(path.read_text()) if path.exists() else {}
+    reports[name] = {**report, "tables": text}
+    path.write_text(json.dumps(reports, indent=2) + "\n")
+    sections = [f"## {key}\n\n`{r['model']}` ({r['dataset']})\n\n{r['tables']}\n" for key, r in reports.items()]
+    (RESULTS / "pointing.md").write_text("# benchmark_pointing.py\n\n" + "\n".join(sections))
 
 
 if __name__ == "__main__":
