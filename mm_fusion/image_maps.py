@@ -30,8 +30,10 @@ Maps are on the image's token grid or pixels, `(height, width)`; [`upsample`] pu
 pixels. Saved with the model's code: the pipelines' `return_map=True` uses it.
 """
 
+import json
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -82,6 +84,24 @@ def describe(method: str) -> str:
         "tower_attention": "the tower's reads of the question",
         "grad_cam": "Grad-CAM",
     }[method]
+
+
+def measured_map_figures(model_dir: str | Path) -> str:
+    """A line on how the model's default map was measured at the end of its training (`eval_map_*` in its
+    `all_results.json`, mm_fusion/training/map_checks.py), or why it was not."""
+    results = Path(model_dir) / "all_results.json"
+    figures = json.loads(results.read_text()) if results.is_file() else {}
+    if "eval_map_on_object" not in figures:
+        return (
+            "This map's pointing was not measured for this model: its data has no known object places (easy-VQA's "
+            "and Sort-of-CLEVR's have; scripts/benchmarks/benchmark_pointing.py)."
+        )
+    return (
+        f"Measured at the end of training on up to 1,000 test questions: the map's peak fell on the object for "
+        f"{figures['eval_map_on_object']:.1%} of them; painting over the 10 x 10 square at the peak changed the "
+        f"answer for {figures['eval_map_answer_changes_at_peak']:.1%}, over a random square away from it for "
+        f"{figures['eval_map_answer_changes_at_random']:.1%}."
+    )
 
 
 def _grid(count: int) -> tuple[int, int, int]:

@@ -2,8 +2,10 @@
 A browser demo of a saved model, with Gradio: `python scripts/demo.py MODEL_DIR` (`pip install -e ".[demo]"`).
 
 - A VQA / classification model (`scripts/train.py --task vqa | classify`): an image and a question give the top-5
-  answers with their scores, the map of where the model looked (attention for cross-attention fusion, Grad-CAM for
-  late fusion) over the image, and the words of the question the model cannot read.
+  answers with their scores, the map of where the model looked for its answer over the enlarged image (the model's
+  default map, as `pipeline(..., return_map=True)` gives it, its method named), the map's figures as measured at the
+  end of training (does it peak on the object; does painting over its peak change the answer), and the words of the
+  question the model cannot read.
 - A pretraining model (`--task pretrain`): image-text matching scores for several texts; retrieval of a folder of
   images (or a saved `RetrievalIndex`) for a typed query; zero-shot labels.
 
@@ -97,6 +99,7 @@ class Demo:
         from transformers import AutoConfig, pipeline
 
         import mm_fusion  # registers the pipelines
+        from mm_fusion.image_maps import measured_map_figures
 
         self.model_dir = Path(model_dir)
         mm_fusion.check_model_path(self.model_dir)
@@ -104,6 +107,7 @@ class Demo:
         self.head = (config.architectures or ["MMFusionForImageTextClassification"])[0]
         if self.head == "MMFusionForImageTextClassification":
             self.vqa = pipeline("image-text-classification", model=str(self.model_dir))
+            self.map_figures = measured_map_figures(self.model_dir)
         else:
             self.matcher = None
             if config.itm_loss_weight > 0:
@@ -124,20 +128,23 @@ class Demo:
         return self.retriever.build_index(images=[str(p) for p in files], ids=[p.name for p in files])
 
     def answer(self, image, question: str):
-        """Top-5 answers `{answer: score}`, the map over the image (or None), and a note on unknown words."""
+        """Top-5 answers `{answer: score}`, the top answer's map over the image (or None), a note naming the map's
+        method with its measured figures, and one on unknown words."""
         if image is None or not (question or "").strip():
             raise ValueError("Give an image and a question.")
-        answers = self.vqa(image=image, question=question, top_k=TOP_K, return_map=True)
+        answers = self.vqa(image=image, question=question, top_k=TOP_K)
+        top = self.vqa(image=image, question=question, return_map=True)[0]  # the map explains the top answer
         scores = {row["answer"]: row["score"] for row in answers}
-        maps = answers[0].get("maps") or {}
+        maps = top.get("maps") or {}
         picture = overlay(image, list(maps.values())[-1]).astype("uint8") if maps else None
+        described = f'**Where the model looked for "{top["answer"]}"**: {", ".join(maps)}. {self.map_figures}'
         unknown = answers[0].get("unknown_words") or []
         note = (
             f"Words the model never saw, which it cannot read: {', '.join(unknown)}. Its answer rests on the others."
             if unknown
             else ""
         )
-        return scores, picture, note
+        return scores, picture, described, note
 
     def match(self, image, texts: str):
         """`{text: probability that it matches the image}` for each line of `texts`."""
@@ -185,11 +192,12 @@ def build_app(demo: Demo, labels: str = "circle,rectangle,triangle"):
                 with gr.Column():
                     answers = gr.Label(num_top_classes=TOP_K, label="Answers", elem_id="answers")
                     looked = gr.Image(label="Where the model looked", elem_id="map", height=256)
+                    method = gr.Markdown(elem_id="method")
                     note = gr.Markdown(elem_id="note")
             examples = example_pairs(demo.model_dir)
             if examples:
                 gr.Examples(examples, inputs=[image, question], label="From the model's test data")
-            submit.click(demo.answer, [image, question], [answers, looked, note], api_name="answer")
+            submit.click(demo.answer, [image, question], [answers, looked, method, note], api_name="answer")
         else:
             with gr.Tab("Matching"):
                 image = gr.Image(type="pil", label="Image")

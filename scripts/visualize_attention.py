@@ -1,21 +1,25 @@
-"""Where a model looks in the image for its answer: a heat map over the image per layer it reads the image by, with a
-colour bar, and the question -> answer and its score.
+"""Where a model looks in the image for its answer: its map over the image (by default the model's default map, as
+`pipeline(..., return_map=True)` and the demo show it), with a colour bar, the question -> answer and its score, the
+method named, and how that map was measured at the end of the model's training.
 
     python scripts/visualize_attention.py --model outputs/easy_vqa --image shape.png \
         --question "what shape is in the image?" --output attention.png
     python scripts/visualize_attention.py --model outputs/sort_of_clevr --image a.png b.png \
         --question "Is the red object on the left?" "What is the shape of the blue object?"   # one row per pair
 
-Cross-attention models (`hierarchical`, `cross_attention`) show, per fusion layer, the question's attention over the
-image tokens, averaged over heads and over its real tokens (or one token's with `--token`); a leading [CLS]-like
-image token's share is reported apart. A tower conditioned by cross-attention (`vision_text_attention`) shows, with
-`--method tower_attention --token N`, per stage the attention its cells give token N. Late-fusion models (and any model
-with `--method grad_cam`) show Grad-CAM on the last tower map the model reads, for the answer given. The maps come
-from `MMFusionForImageTextClassification.image_maps`, as `pipeline(..., return_map=True)` gives them.
+The default map (`--method guided_gradient`) is input x gradient at the pixels, weighted by the question's
+cross-attention (by Grad-CAM for late fusion), for the answer given; `--method input_x_gradient` leaves out the
+weighting. `--method attention` shows, per fusion layer, the question's attention over the image tokens, averaged over
+heads and over its real tokens (or one token's with `--token`); a leading [CLS]-like image token's share is reported
+apart. A tower conditioned by cross-attention (`vision_text_attention`) shows, with `--method tower_attention --token
+N`, per stage the attention its cells give token N. `--method grad_cam`: Grad-CAM on the last tower map the model
+reads. The maps come from `MMFusionForImageTextClassification.image_maps`; how often each peaks on the object a
+question names: scripts/benchmarks/README.md, benchmark_pointing.py.
 """
 
 import os
 import sys
+import textwrap
 from dataclasses import dataclass, field
 
 from transformers import AutoConfig, AutoModelForVisualQuestionAnswering, AutoProcessor
@@ -23,7 +27,7 @@ from transformers import AutoConfig, AutoModelForVisualQuestionAnswering, AutoPr
 import mm_fusion  # registers the Auto classes
 from mm_fusion.cli import ScriptArgumentParser
 from mm_fusion.head_check import MissingHeadError, check_saved_head
-from mm_fusion.image_maps import METHODS, plot
+from mm_fusion.image_maps import ANSWER_METHODS, METHODS, default_method, describe, measured_map_figures, plot
 
 
 @dataclass
@@ -35,8 +39,9 @@ class VisualizeArguments:
     method: str | None = field(
         default=None,
         metadata={
-            "help": "attention (cross-attention fusion's default), grad_cam (late fusion's, and any model's) or "
-            "tower_attention (a tower conditioned by vision_text_attention: the cells' attention to --token)."
+            "help": "guided_gradient (the default: input x gradient weighted by the model's coarse map), "
+            "input_x_gradient, attention (cross-attention fusion), grad_cam, or tower_attention (a tower conditioned "
+            "by vision_text_attention: the cells' attention to --token)."
         },
     )
     token: int | None = field(default=None, metadata={"help": "One token position instead of the mean over tokens."})
@@ -50,8 +55,8 @@ def parse_args(argv: list[str] | None = None) -> VisualizeArguments:
     (args,) = parser.parse_args_into_dataclasses(args=argv)
     if args.method is not None and args.method not in METHODS:
         parser.error(f"--method {args.method}: choose from {', '.join(METHODS)}.")
-    if args.token is not None and args.method == "grad_cam":
-        parser.error("--token picks one token's attention; a Grad-CAM map has no tokens.")
+    if args.token is not None and args.method in (*ANSWER_METHODS, None):
+        parser.error(f"--token picks one token's attention; the {args.method or 'default'} map has no tokens.")
     if args.method == "tower_attention" and args.token is None:
         parser.error("--method tower_attention maps the attention the cells give one token: give --token.")
     if len(args.image) not in (1, len(args.question)):
@@ -101,9 +106,11 @@ def main(argv: list[str] | None = None) -> str:
                 "layers": layers,
             }
         )
-    kinds = {"attention": "attention over the image", "tower_attention": "the tower's reads", "grad_cam": "Grad-CAM"}
-    kind = kinds[result.method]
-    plot(rows, args.output, title=f"{kind}: where the model looked")
+    kind = describe(result.method)
+    # The figures measured at the end of training are the default map's.
+    measured = measured_map_figures(args.model) if result.method == default_method(model.config) else ""
+    title = f"Where the model looked: {kind}" + ("\n" + "\n".join(textwrap.wrap(measured, 100)) if measured else "")
+    plot(rows, args.output, title=title)
     for row in rows:
         print(f"{row['answer']} ({row['score']:.3f}); {kind} in {args.output}", file=sys.stderr)
     return args.output

@@ -2,6 +2,7 @@
 chromium driven by Playwright, `-m browser`)."""
 
 import importlib.util
+import json
 import os
 import shutil
 import socket
@@ -58,15 +59,21 @@ def test_image() -> str:
 
 def test_demo_answers_as_the_pipeline_does(vqa_model, test_image):
     demo = _demo_module().Demo(str(vqa_model))
-    scores, picture, note = demo.answer(Image.open(test_image), QUESTION)
-    expected = pipeline("image-text-classification", model=str(vqa_model))(
-        image=test_image, question=QUESTION, top_k=5
-    )
+    scores, picture, described, note = demo.answer(Image.open(test_image), QUESTION)
+    pipe = pipeline("image-text-classification", model=str(vqa_model))
+    expected = pipe(image=test_image, question=QUESTION, top_k=5)
     assert list(scores) == [row["answer"] for row in expected]
     assert list(scores.values()) == pytest.approx([row["score"] for row in expected], abs=1e-6)
     assert picture.shape == (256, 256, 3) and picture.dtype == np.uint8  # a 64 px image, enlarged for the page
+    # The map shown is the pipeline's default for the top answer, over the image: its method named, with the figures
+    # measured at the end of the model's training.
+    ((name, grid),) = pipe(image=test_image, question=QUESTION, return_map=True)[0]["maps"].items()
+    np.testing.assert_array_equal(picture, _demo_module().overlay(Image.open(test_image), grid).astype("uint8"))
+    figures = json.loads((vqa_model / "all_results.json").read_text())
+    assert name == "input x gradient x fusion layer 1's attention" and name in described
+    assert f"on the object for {figures['eval_map_on_object']:.1%}" in described
     assert note == ""
-    _, _, note = demo.answer(Image.open(test_image), "what shape is the zorblax?")
+    _, _, _, note = demo.answer(Image.open(test_image), "what shape is the zorblax?")
     assert "zorblax" in note
     examples = _demo_module().example_pairs(vqa_model)
     assert len(examples) == 6 and all(Path(image).is_file() and question for image, question in examples)
@@ -111,7 +118,7 @@ def test_gradio_client_calls_the_demo(served, vqa_model, test_image):
     from gradio_client import Client, handle_file
 
     url, _ = served
-    scores, _, _ = Client(url, verbose=False).predict(handle_file(test_image), QUESTION, api_name="/answer")
+    scores, _, _, _ = Client(url, verbose=False).predict(handle_file(test_image), QUESTION, api_name="/answer")
     expected = pipeline("image-text-classification", model=str(vqa_model))(
         image=test_image, question=QUESTION, top_k=5
     )
@@ -139,6 +146,7 @@ def test_browser_answers_as_the_pipeline_does(served, vqa_model, test_image, tmp
         page.locator("#submit").click()
         page.locator("#map img").wait_for(timeout=60_000)
         shown = page.locator("#answers").inner_text().split("\n")
+        method = page.locator("#method").inner_text()
         screenshot = Path(os.environ.get("MM_FUSION_DEMO_SCREENSHOT", tmp_path / "demo.png"))
         page.screenshot(path=str(screenshot), full_page=True)
         browser.close()
@@ -147,6 +155,7 @@ def test_browser_answers_as_the_pipeline_does(served, vqa_model, test_image, tmp
     for row in expected:
         assert row["answer"] in shown and f"{round(row['score'] * 100)}%" in shown
     assert screenshot.stat().st_size > 10_000
+    assert "input x gradient x fusion layer" in method and "Measured at the end of training" in method
 
 
 def test_demo_of_a_pretraining_model_matches_retrieves_and_classifies_as_the_pipelines_do(tmp_path):

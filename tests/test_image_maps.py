@@ -5,14 +5,13 @@ import copy
 
 import pytest
 import torch
-
-from mm_fusion import MMFusionForImageTextClassification
 import torch.nn.functional as F
 
+from mm_fusion import MMFusionForImageTextClassification
 from mm_fusion.image_maps import (
-    pixel_contributions,
     peak_inside,
     peak_on,
+    pixel_contributions,
     reachable,
     smoothing_window,
     upsample,

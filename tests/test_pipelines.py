@@ -195,7 +195,7 @@ def test_vqa_pipeline_returns_where_the_model_looked(vqa_run):
         expected = pipe.model.image_maps(**batch, targets=targets)
         assert expected.layers == [name]
         for k, row in enumerate(mapped):
-            assert list(row[rank]["maps"]) == [name] and row[rank]["maps"][name].shape == (64, 64)
+            assert list(row[rank]["maps"]) == [name] and row[rank]["maps"][name].shape == (32, 32)  # the pixels
             np.testing.assert_allclose(row[rank]["maps"][name], expected.maps[k, 0].numpy(), atol=1e-6)
     assert not np.allclose(mapped[0][0]["maps"][name], mapped[0][1]["maps"][name])
     with pytest.raises(ValueError, match="return_map must be True or False"):
@@ -582,25 +582,34 @@ def test_predict_names_the_words_the_tokenizer_never_saw(vqa_run, tmp_path):
     assert "1 have words the tokenizer never saw" in done.stderr and "UnknownWordsWarning" not in done.stderr
 
 
-def test_visualize_attention_writes_a_heat_map_per_fusion_layer(vqa_run, tmp_path):
+def test_visualize_attention_draws_the_default_map_or_the_attention(vqa_run, tmp_path):
     out, _, _ = vqa_run
     row = _eval_rows(1)[0]
-    png = tmp_path / "attention.png"
+    png = tmp_path / "map.png"
     done = _run_script("visualize_attention", "--model", str(out), "--image", row["image"], "--question",
                        row["question"], "--output", str(png))  # fmt: skip
     assert Image.open(png).size[0] > 300
-    # What it draws: per fusion layer, the question's attention over the 2 x 2 patches (32 px / patch 16) and the
-    # class token, which sums to one, and the answer the model gives.
     model = mm_fusion.MMFusionForImageTextClassification.from_pretrained(out, attn_implementation="eager").eval()
     batch = AutoProcessor.from_pretrained(out)(images=[row["image"]], text=[row["question"]])
     with torch.no_grad():
         outputs = model(**batch, output_attentions=True)
+    answer = model.config.id2label[int(outputs.logits.argmax())]
+    kind = "input x gradient weighted by the model's coarse map"  # the default map's method, named
+    assert done.stderr.splitlines()[-1].startswith(f"{answer} (") and kind in done.stderr.splitlines()[-1]
+    # --method attention: per fusion layer, the question's attention over the 2 x 2 patches (32 px / patch 16) and
+    # the class token, which sums to one.
+    done = _run_script("visualize_attention", "--model", str(out), "--image", row["image"], "--question",
+                       row["question"], "--output", str(png), "--method", "attention", "--token", "1")  # fmt: skip
+    assert done.stderr.splitlines()[-1].startswith(f"{answer} (") and "cross-attention" in done.stderr
     layers = outputs.text_to_image_attentions
     assert len(layers) == model.config.num_fusion_layers == 1 and layers[0].shape[-1] == 2 * 2 + 1
     for probabilities in layers:
         assert torch.allclose(probabilities.sum(-1), torch.ones(()), atol=1e-5)
-    answer = model.config.id2label[int(outputs.logits.argmax())]
-    assert done.stderr.splitlines()[-1].startswith(f"{answer} (")
+    done = _run_script("visualize_attention", "--model", str(out), "--image", row["image"], "--question",
+                       row["question"], "--token", "1", status=2)  # fmt: skip
+    assert "--token picks one token's attention; the default map has no tokens" in _one_line_error(
+        done, "visualize_attention.py"
+    )
 
 
 def test_push_to_hub_sends_model_processor_code_pipelines_and_card(tmp_path, monkeypatch):

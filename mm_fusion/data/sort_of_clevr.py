@@ -251,6 +251,27 @@ def render_scene(scene: list[dict], image_size: int, object_size: int) -> "PIL.I
     return image
 
 
+def named_colour(question: str) -> str:
+    """The colour a question names its object by."""
+    for word in question.rstrip("?").split():
+        if word in COLOURS:
+            return word
+    raise ValueError(f"The question {question!r} names no colour of {list(COLOURS)}.")
+
+
+def named_object_boxes(questions: Sequence[str], scenes: Sequence[list[dict]], object_size: int = 10) -> list[tuple]:
+    """Per question, the pixel box `(x0, y0, x1, y1)` (inclusive) of the object it names in its scene, as
+    [`render_scene`] draws it."""
+    half = object_size // 2
+    boxes = []
+    for question, scene in zip(questions, scenes):
+        colour = named_colour(question)
+        named = next(o for o in scene if o["colour"] == colour)
+        x0, y0 = named["x"] - half, named["y"] - half
+        boxes.append((x0, y0, x0 + object_size - 1, y0 + object_size - 1))
+    return boxes
+
+
 def answer_question(scene: list[dict], family: str, colour: str, image_size: int) -> str:
     """The answer to a question of `family` about the `colour` object of `scene`."""
     anchor = next(o for o in scene if o["colour"] == colour)

@@ -11,9 +11,10 @@ from transformers import EarlyStoppingCallback
 
 from .arguments import MAIN_METRICS, DataArguments, MMFusionTrainingArguments, ModelArguments, parse_arguments
 from .callbacks import add_monitor
-from .data import TrainingData
+from .data import TrainingData, parse_overrides
 from .data_path import load_training_data
 from .launch import release_freed_memory
+from .map_checks import map_check
 from .metrics import classification_metrics, retrieval_metrics
 from .model_card import MMFusionModelCard
 from .models import build_model_and_processor
@@ -61,6 +62,9 @@ def build_trainer(
         preprocess_logits_for_metrics=preprocess_logits if eval_pairs is not None else None,
         model_card_writer=card.write,
     )
+    if task != "pretrain":  # where the map points, checked at the end ([`final_metrics`])
+        options = parse_overrides(data_args.dataset_options, flag="--dataset_options")
+        trainer.map_check = map_check(data_args, data.datasets.get("eval"), options)
     if training_args.release_freed_memory:
         release_freed_memory()
     add_monitor(trainer, data_wait_warning=training_args.data_wait_warning, peak_tflops=training_args.peak_tflops)
@@ -92,7 +96,8 @@ def build_trainer(
 
 def final_metrics(trainer: MMFusionTrainer, train_result) -> dict:
     """The training metrics (`train_*`) and the evaluation of the final weights (`eval_*`), when there are
-    evaluation pairs."""
+    evaluation pairs; for built-in data whose objects' places are known, the map checks (`eval_map_*`,
+    [`~map_checks`]), on the main process, also written into the last evaluation's record for the model card."""
     metrics = {"train_" + k if not k.startswith("train_") else k: v for k, v in train_result.metrics.items()}
     if trainer.eval_dataset is not None:
         # The scheduled evaluation at the last step already scored these weights, unless the best checkpoint was
@@ -102,6 +107,14 @@ def final_metrics(trainer: MMFusionTrainer, train_result) -> dict:
             metrics.update({k: v for k, v in last.items() if k.startswith("eval_") or k == "epoch"})
         else:
             metrics.update(trainer.evaluate())
+    check = getattr(trainer, "map_check", None)
+    if check is not None and trainer.is_world_process_zero():
+        model = trainer.accelerator.unwrap_model(trainer.model)
+        figures = check(model, trainer.processing_class)
+        metrics.update(figures)
+        last = next((h for h in reversed(trainer.state.log_history) if "eval_loss" in h), None)
+        if last is not None:
+            last.update(figures)
     return metrics
 
 

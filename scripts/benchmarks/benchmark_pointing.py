@@ -55,20 +55,13 @@ def recipe_dataset_options() -> str:
 def held_out_questions(dataset_options: str, images: int):
     """The test split's questions about its first `images` images (every family), with the named object's box."""
     from mm_fusion.data import load_sort_of_clevr
+    from mm_fusion.data.sort_of_clevr import named_object_boxes
     from mm_fusion.training import parse_overrides
 
     options = parse_overrides(dataset_options, flag="--dataset_options")
     test = load_sort_of_clevr(["test"], **options)["test"]
     test = test.filter(lambda ids: [i < images for i in ids], input_columns="image_id", batched=True)
-    size = options.get("object_size", 10)
-    half = size // 2
-    pattern = colour_pattern()
-    boxes = []
-    for question, objects in zip(test["question"], test["objects"]):
-        colour = pattern.search(question).group(1)
-        named = next(o for o in objects if o["colour"] == colour)
-        x0, y0 = named["x"] - half, named["y"] - half
-        boxes.append((x0, y0, x0 + size - 1, y0 + size - 1))
+    boxes = named_object_boxes(test["question"], test["objects"], options.get("object_size", 10))
     return test, torch.tensor(boxes)
 
 
@@ -431,6 +424,11 @@ def easy_vqa_table(report: dict) -> str:
     return markdown_table(["method", "figure", *groups], rows)
 
 
+def pointing_tables(report: dict) -> str:
+    """A Sort-of-CLEVR report's tables: per map, then the counterfactual and the object removals."""
+    return "\n\n".join([*(table(f) for f in report["by_method"].values()), sort_of_clevr_extra_tables(report)])
+
+
 def sort_of_clevr_extra_tables(report: dict) -> str:
     counter = report["counterfactual"]
     lines = [
@@ -480,7 +478,7 @@ def main(argv=None) -> dict:
         report = pointing(
             args.model, args.dataset_options, args.images, methods, args.grid, args.grid_colour_word, args.grid_method
         )
-        text = "\n\n".join([*(table(f) for f in report["by_method"].values()), sort_of_clevr_extra_tables(report)])
+        text = pointing_tables(report)
     report = {"model": args.model, "dataset": args.dataset, **report}
     print(text)
     if args.grid:

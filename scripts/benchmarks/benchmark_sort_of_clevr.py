@@ -16,6 +16,7 @@ table.
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -23,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import yaml
-from benchmark_pointing import pointing
+from benchmark_pointing import pointing, pointing_tables, store
 from benchmarking import RESULTS, ROOT, SCRIPTS, markdown_table, write_report
 
 from mm_fusion.training import parse_overrides
@@ -87,7 +88,17 @@ def recipe_dataset_options(flags: list[str]) -> str:
     return given[-1] if given else yaml.safe_load((ROOT / flags[0]).read_text())["dataset_options"]
 
 
-def run_one(name: str, output_root: Path, threads: int | None) -> dict:
+def trained_wall_seconds(log: Path) -> float:
+    """The wall time scripts/train.py printed at the end of the run logged in `log`."""
+    found = re.findall(r"^model, processor and model card in .* \((\d+) s\)$", log.read_text(), flags=re.M)
+    if not found:
+        raise ValueError(f"--trained: {log} holds no finished scripts/train.py run.")
+    return float(found[-1])
+
+
+def run_one(name: str, output_root: Path, threads: int | None, trained: bool = False) -> dict:
+    """Train run `name` into `output_root/name` (its output in `output_root/name.log`) and read its row back; with
+    `trained`, the run already made there (by this command, or by the same command by hand) is read back."""
     flags, description = RUNS[name]
     output_dir = output_root / name
     extra = ["--model_name_or_path", str(output_root / "pretrain")] if name == "finetune_pretrained" else []
@@ -97,12 +108,15 @@ def run_one(name: str, output_root: Path, threads: int | None) -> dict:
         command += ["--cpu_threads", str(threads)]
     print("$", " ".join(command), flush=True)
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}  # as in a new user's shell
-    start = time.perf_counter()
-    with open(output_root / f"{name}.log", "w") as log:
-        done = subprocess.run(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
-    wall = time.perf_counter() - start
-    if done.returncode != 0:
-        raise RuntimeError(f"{name} failed; see {output_root / f'{name}.log'}")
+    if trained:
+        wall = trained_wall_seconds(output_root / f"{name}.log")
+    else:
+        start = time.perf_counter()
+        with open(output_root / f"{name}.log", "w") as log:
+            done = subprocess.run(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
+        wall = time.perf_counter() - start
+        if done.returncode != 0:
+            raise RuntimeError(f"{name} failed; see {output_root / f'{name}.log'}")
     results = json.loads((output_dir / "all_results.json").read_text())
     row = {"run": name, "description": description, "command": " ".join(command[1:]), "wall_seconds": wall}
     row["threads"] = threads
@@ -113,11 +127,11 @@ def run_one(name: str, output_root: Path, threads: int | None) -> dict:
         row["targets_reached"] = reached
     if name != "pretrain" and not any(flag == "--ablation" for flag in flags):
         # Where the model looks: its map against the object each held-out question names (benchmark_pointing.py).
-        fused = json.loads((output_dir / "config.json").read_text())["fusion_type"] != "late"
-        methods = (None, "grad_cam") if fused else (None,)
         options = parse_overrides(recipe_dataset_options(flags), flag="--dataset_options")
         images = options.get("num_test_images", 1000)
-        row["pointing"] = pointing(str(output_dir), recipe_dataset_options(flags), images, methods)
+        report = pointing(str(output_dir), recipe_dataset_options(flags), images)
+        row["pointing"] = report
+        store(name, {"model": str(output_dir), "dataset": "sort_of_clevr", **report}, pointing_tables(report))
     if name == "pretrain":
         zero_shot = [sys.executable, str(SCRIPTS / "zero_shot_sort_of_clevr.py"), "--model", str(output_dir)]
         zero_shot += ["--dataset_options", recipe_dataset_options(flags)]  # the test images of the data it trained on
@@ -177,14 +191,15 @@ def question_only_ceiling(dataset_options: str) -> dict[str, float]:
 
 
 def pointing_cell(row: dict) -> str:
-    """The pointing accuracy on non-relational questions at each method's best layer (and of the token it names, e.g.
-    the colour word's), or "–" without a measure."""
+    """The pointing accuracy on non-relational questions of each map measured (at its best layer), or "–" without a
+    measure."""
     if "pointing" not in row:
         return "–"
     parts = []
-    for figures in row["pointing"]["by_method"].values():
-        where = figures["best_layer"] + (f", {figures['token']}" if "token" in figures else "")
-        parts.append(f"{figures['best_non_relational']:.3f} ({where})")
+    for method, figures in row["pointing"]["by_method"].items():
+        layers = figures.get("layers", [])
+        where = f", {figures['best_layer']}" if len(layers) > 1 else ""
+        parts.append(f"{figures['best_non_relational']:.3f} ({method}{where})")
     return "; ".join(parts)
 
 
@@ -292,6 +307,12 @@ def main(argv=None) -> dict:
     parser.add_argument("--parallel", type=int, default=1, help="Runs at once (each with cores / N torch threads).")
     parser.add_argument("--threads", type=int, default=None, help="torch threads per run (default: the launcher's).")
     parser.add_argument("--output_root", default="outputs/sort_of_clevr")
+    parser.add_argument(
+        "--trained",
+        action="store_true",
+        help="Read back the runs already trained in --output_root (NAME/ and NAME.log, as this command leaves them) "
+        "instead of training them: their figures, measured again.",
+    )
     parser.add_argument("--results", default=str(RESULTS / "sort_of_clevr"), help="Path stem of md / json / png.")
     args = parser.parse_args(argv)
     names = [n for n in args.runs.split(",") if n]
@@ -307,10 +328,10 @@ def main(argv=None) -> dict:
     # A fine-tuning run waits for the pretraining it starts from.
     first = [n for n in names if n != "finetune_pretrained"]
     with ThreadPoolExecutor(args.parallel) as pool:
-        for row in pool.map(lambda n: run_one(n, output_root, threads), first):
+        for row in pool.map(lambda n: run_one(n, output_root, threads, args.trained), first):
             rows[row["run"]] = row
     if "finetune_pretrained" in names:
-        rows["finetune_pretrained"] = run_one("finetune_pretrained", output_root, threads)
+        rows["finetune_pretrained"] = run_one("finetune_pretrained", output_root, threads, args.trained)
     rows["question_only_ceiling"] = question_only_ceiling(recipe_dataset_options([MAIN]))  # of the main recipe's data
     # Merged with the runs already there, read now: another instance may have written since this one started.
     rows = {**(json.loads(path.read_text()) if path.is_file() else {}), **rows}
