@@ -9,6 +9,9 @@ import torch.nn.functional as F
 
 from mm_fusion import MMFusionForImageTextClassification
 from mm_fusion.image_maps import (
+    deletion_test,
+    foreground_masks,
+    paint,
     peak_inside,
     peak_on,
     pixel_contributions,
@@ -251,3 +254,32 @@ def test_peak_inside_takes_the_centre_of_the_highest_cell():
     assert reachable((8, 8), small, (64, 64)).all()  # 8-px cells: a 10-px box always holds a centre
     # Per layer: (N, L, h, w) maps give (N, L).
     assert peak_inside(torch.stack([maps, maps.flip(0)], 1), boxes, (64, 64)).shape == (4, 2)
+
+
+class RegionReader(torch.nn.Module):
+    """Answers 1 when the 8 x 8 square at the top left is mostly red, else 0 (its logits)."""
+
+    def forward(self, pixel_values, **kwargs):
+        red = pixel_values[:, 0, :8, :8].float().mean((-1, -2)) / 255
+        return type("Output", (), {"logits": torch.stack([0.5 - red, red - 0.5], -1)})()
+
+
+def test_deletion_test_paints_the_median_colour_at_the_peak_and_elsewhere():
+    images = torch.zeros(4, 3, 40, 40, dtype=torch.uint8)
+    images[:, 0, :8, :8] = 255  # the evidence: a red square at the top left, on black
+    maps = torch.zeros(4, 40, 40)
+    maps[:2, 3, 3] = 1.0  # peaks on the square
+    maps[2:, 30, 30] = 1.0  # peaks away from it
+    inputs = {"pixel_values": images, "input_ids": torch.ones(4, 3, dtype=torch.long)}
+    at_peak, at_random = deletion_test(
+        RegionReader(), inputs, maps, side=10, generator=torch.Generator().manual_seed(0)
+    )
+    assert at_peak.tolist() == [True, True, False, False]
+    # A random square away from the peak's: for the last two it may land on the evidence; for the first two it cannot
+    # overlap the peak's square, which covers the evidence.
+    assert at_random[:2].tolist() == [False, False]
+    painted = paint(images, torch.tensor([3]), torch.tensor([3]), 10)[0]
+    assert painted[:, :10, :10].eq(0).all() and torch.equal(painted[:, 10:], images[0, :, 10:])  # moved inside
+    assert torch.equal(foreground_masks(images)[0], images[0, 0] > 0)
+    with pytest.raises(ValueError, match="no room for two 30 x 30 squares"):
+        deletion_test(RegionReader(), inputs, maps, side=30)

@@ -33,6 +33,12 @@ class BenchmarkArguments:
     pretrain_model: str | None = field(default=None, metadata={"help": "A pretraining model dir for zero-shot."})
     questions: int | None = field(default=None, metadata={"help": "Test questions per round (default: all 9,673)."})
     naive_questions: int = field(default=1000, metadata={"help": "Questions per round for the naive loop."})
+    map_questions: int = field(
+        default=1000, metadata={"help": "Questions per round answered with and without return_map=True."}
+    )
+    single_questions: int = field(
+        default=100, metadata={"help": "Questions per round asked one call each, with and without a map."}
+    )
     zero_shot_images: int = field(default=100, metadata={"help": "Images per round for zero-shot."})
     rounds: int = field(default=3, metadata={"help": "Interleaved rounds."})
     batch_size: int = field(default=64, metadata={"help": "Pipeline batch size."})
@@ -113,10 +119,22 @@ def main(argv: list[str] | None = None) -> dict:
     zs_images = list(dict.fromkeys(test["image"]))[: args.zero_shot_images]
     k = min(args.naive_questions, n)
 
+    m, single = min(args.map_questions, n), min(args.single_questions, n)
     rates = {"pipeline": [], "naive": [], "cached_zero_shot": [], "stock_zero_shot": []}
+    map_costs = {"batched": [], "single": []}  # time with return_map=True over time without, per round
     for r in range(args.rounds):
         seconds, answers = timed(lambda: vqa(image=images, question=questions, batch_size=args.batch_size))
         rates["pipeline"].append(n / seconds)
+        plain, _ = timed(lambda: vqa(image=images[:m], question=questions[:m], batch_size=args.batch_size))
+        mapped, _ = timed(
+            lambda: vqa(image=images[:m], question=questions[:m], batch_size=args.batch_size, return_map=True)
+        )
+        map_costs["batched"].append(mapped / plain)
+        plain, _ = timed(lambda: [vqa(image=i, question=q) for i, q in zip(images[:single], questions[:single])])
+        mapped, _ = timed(
+            lambda: [vqa(image=i, question=q, return_map=True) for i, q in zip(images[:single], questions[:single])]
+        )
+        map_costs["single"].append(mapped / plain)
         seconds, naive = timed(naive_vqa, vqa_dir, images[:k], questions[:k])
         rates["naive"].append(k / seconds)
         if r == 0:  # the two paths must agree before their speeds are compared
@@ -130,7 +148,12 @@ def main(argv: list[str] | None = None) -> dict:
         rates["stock_zero_shot"].append(len(zs_images) / seconds)
         if r == 0:
             zero_shot_top_agree = sum(a[0]["label"] == b[0]["label"] for a, b in zip(fast, slow))
-        print(f"round {r + 1}: " + ", ".join(f"{key} {value[-1]:.1f}/s" for key, value in rates.items()))
+        print(
+            f"round {r + 1}: "
+            + ", ".join(f"{key} {value[-1]:.1f}/s" for key, value in rates.items())
+            + ", map cost "
+            + ", ".join(f"{key} {value[-1]:.2f}x" for key, value in map_costs.items())
+        )
 
     training = Path(vqa_dir) / "all_results.json"
     training_accuracy = (
@@ -148,6 +171,9 @@ def main(argv: list[str] | None = None) -> dict:
                 "served_accuracy": served_accuracy, "training_eval_accuracy": training_accuracy,
                 "pipeline_questions_per_s": summary(rates["pipeline"]),
                 "naive_questions_per_s": summary(rates["naive"])},
+        "maps": {"batched_questions": m, "single_questions": single,
+                 "batched_time_ratio": summary(map_costs["batched"]),
+                 "single_time_ratio": summary(map_costs["single"])},
         "zero_shot": {"images": len(zs_images), "labels": len(labels),
                       "top_label_agrees": f"{zero_shot_top_agree}/{len(zs_images)}",
                       "cached_images_per_s": summary(rates["cached_zero_shot"]),
@@ -203,6 +229,14 @@ def markdown(result: dict) -> str:
         ],
     ]
     lines = [markdown_table(header, cells)]
+    maps = result.get("maps")
+    if maps is not None:
+        lines.append(
+            f"\nWhere the model looked (`return_map=True`, the default map), its cost: the time of the answers with "
+            f"maps over the time without, **{median_range(maps['batched_time_ratio'], 2)}×** for "
+            f"{maps['batched_questions']} questions in batches, **{median_range(maps['single_time_ratio'], 2)}×** "
+            f"for {maps['single_questions']} questions asked one call each (target: 3× or less)."
+        )
     if vqa["training_eval_accuracy"] is not None:
         lines.append(
             f"\nServed accuracy through the pipeline over the {vqa['questions']} test questions, read from the "

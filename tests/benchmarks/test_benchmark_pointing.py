@@ -1,6 +1,8 @@
 """scripts/benchmarks/benchmark_pointing.py: the named object's box, and pointing accuracy counted per layer and
 family."""
 
+import json
+
 import benchmark_pointing as bench  # scripts/benchmarks is on sys.path (conftest.py)
 import numpy as np
 import torch
@@ -130,3 +132,47 @@ def test_pointing_with_the_colour_word_passes_its_position_per_question():
     assert word["per_layer"]["fusion layer 1"]["non_relational"] == 1.0
     assert mean["per_layer"]["fusion layer 1"]["non_relational"] == 0.0
     assert "| attention (colour word) | fusion layer 1 | 1.000 |" in bench.table(word)
+
+
+def test_scene_variants_change_one_object_and_the_counterfactual_counts_what_follows():
+    test, boxes = bench.held_out_questions(OPTIONS, images=4)
+    shape = test.filter(lambda f: [x == "shape" for x in f], input_columns="question_family", batched=True)
+    named_changed, other_changed, follow, stay = bench.scene_variants(shape, object_size=10)
+    names = test.features["answer"].names
+    shape_boxes = boxes[[i for i, f in enumerate(test["question_family"]) if f == "shape"]]
+    for k, (x0, y0, x1, y1) in enumerate(shape_boxes.tolist()):
+        before, named = np.asarray(shape[k]["image"].convert("RGB")), np.asarray(named_changed[k])
+        inside = np.zeros(before.shape[:2], dtype=bool)
+        inside[y0 : y1 + 1, x0 : x1 + 1] = True
+        differs = (before != named).any(-1)
+        assert differs.any() and not differs[~inside].any()  # only the named object's square changed
+        assert not (before != np.asarray(other_changed[k])).any(-1)[inside].any()  # another object's did
+        assert names[follow[k]] != names[shape[k]["answer"]] and stay[k] == shape[k]["answer"]
+
+    class Circles:  # answers "circle" to everything
+        config = type("Config", (), {"id2label": dict(enumerate(names))})()
+
+        def __call__(self, pixel_values, **kwargs):
+            logits = torch.zeros(len(pixel_values), len(names))
+            logits[:, names.index("circle")] = 1.0
+            return type("Output", (), {"logits": logits})()
+
+    figures = bench.counterfactual(Circles(), fake_processor, test, object_size=10)
+    assert figures["questions"] == len(shape) and figures["ignores_another_object"] == 1.0
+    assert figures["follows_the_named_object"] == np.mean([names[f] == "circle" for f in follow])
+    removal = bench.object_removal(Circles(), fake_processor, test, object_size=10)
+    assert set(removal) == {"shape", "horizontal (circle)", "vertical (circle)", "closest", "furthest", "count"}
+    assert all(f["named_removed"] == f["other_removed"] == 0.0 for f in removal.values())
+
+
+def test_deletion_figures_and_the_report_store(tmp_path, monkeypatch):
+    at_peak, at_random = np.array([1, 1, 0, 1.0]), np.array([0, 1, 0, 0.0])
+    groups = {"all": np.ones(4, dtype=bool), "first": np.array([True, False, False, False])}
+    figures = bench.deletion_figures(at_peak, at_random, groups)
+    assert figures["all"] == {"at_peak": 0.75, "at_random": 0.25, "ratio": 3.0}
+    assert figures["first"]["ratio"] is None  # no random square changed an answer
+    monkeypatch.setattr(bench, "RESULTS", tmp_path)
+    bench.store("one", {"model": "m", "dataset": "easy_vqa", "questions": 4}, "| a |")
+    bench.store("two", {"model": "n", "dataset": "sort_of_clevr"}, "| b |")
+    assert set(json.loads((tmp_path / "pointing.json").read_text())) == {"one", "two"}
+    assert "## one" in (tmp_path / "pointing.md").read_text() and "| b |" in (tmp_path / "pointing.md").read_text()

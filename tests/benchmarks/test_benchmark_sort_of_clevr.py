@@ -66,11 +66,14 @@ def test_table_and_plot(tmp_path):
     rows["late"]["curve"] = [{"step": 20, "epoch": 1.0, "eval_accuracy_relational": 0.63,
                               "eval_accuracy_non_relational": 0.99}]  # fmt: skip
     assert bench.time_to_targets(rows["late"]["curve"]) is None
-    figures = {"best_non_relational": 0.912, "best_layer": "fusion layer 1"}
+    figures = {"best_non_relational": 0.912, "best_layer": "fusion layer 1", "layers": ["fusion layer 1"]}
     rows["late"]["pointing"] = {"by_method": {"attention": figures}}
     rows["late"]["pointing"]["by_method"]["grad_cam"] = {"best_non_relational": 0.5, "best_layer": "Grad-CAM, stage 3"}
     rows["late"]["pointing"]["by_method"]["attention_colour_word"] = {**figures, "best_non_relational": 0.99,
                                                                       "token": "colour word"}  # fmt: skip
+    rows["late"]["pointing"]["by_method"]["tower_attention_colour_word"] = {
+        "best_non_relational": 0.3, "best_layer": "vision stage 1 read", "layers": ["vision stage 1 read", "stage 2"]
+    }  # fmt: skip
     rows["question_only_ceiling"] = {"run": "question_only_ceiling", "eval_accuracy": 0.4}
     recalls = {f"eval_{d}_R@{k}": k / 100 + (d == "image_to_text") / 1000 for d in ("text_to_image", "image_to_text")
                for k in (1, 5, 10)}  # fmt: skip
@@ -88,8 +91,8 @@ def test_table_and_plot(tmp_path):
         "epoch 1, 2.1 min into training | – | 10.0 min, 1 thread(s), sharing the machine |"
     )
     assert lines[3].startswith("| late | 0.630 | 0.990 |") and lines[3].endswith(
-        "| 0.800 | no | 0.912 (fusion layer 1); 0.500 (Grad-CAM, stage 3); 0.990 (fusion layer 1, colour word) "
-        "| 10.0 min, 1 thread(s), sharing the machine |"
+        "| 0.800 | no | 0.912 (attention); 0.500 (grad_cam); 0.990 (attention_colour_word); "
+        "0.300 (tower_attention_colour_word, vision stage 1 read) | 10.0 min, 1 thread(s), sharing the machine |"
     )
     assert (
         lines[4] == "| question_only_ceiling | nan | nan | nan | nan | nan | nan | nan | nan | 0.400 | – | – "
