@@ -47,6 +47,34 @@ def expected_answer(objects, question, image_size=64):
     raise AssertionError(f"unexpected question {question!r}")
 
 
+def test_named_object_masks_cover_the_named_colour(data):
+    """The map checks' targets: the square of the object each question names, on the processor's image size (the 64
+    px scenes served at 32 px here)."""
+    from mm_fusion import MMFusionImageProcessor
+    from mm_fusion.training.map_checks import sort_of_clevr_masks
+
+    test = data["test"].select(range(12))
+    processor = type("Processor", (), {"image_processor": MMFusionImageProcessor(size={"height": 32, "width": 32})})
+    masks = sort_of_clevr_masks(test["question"], test["objects"], processor, (64, 64), object_size=10)
+    assert masks.shape == (12, 32, 32) and ((masks.sum((-1, -2)) >= 16) & (masks.sum((-1, -2)) <= 36)).all()
+    for row, mask in zip(test, masks):
+        colour = next(c for c in COLOURS if f" {c} object" in row["question"])
+        small = np.asarray(row["image"].convert("RGB").resize((32, 32), Image.NEAREST))
+        named = (small == COLOURS[colour]).all(-1)
+        assert named[mask.numpy()].mean() > 0.5 and not named[~mask.numpy()].any()
+
+
+def test_training_checks_where_the_map_points(tmp_path):
+    """A Sort-of-CLEVR run reports its default map's pointing on the named objects of the non-relational questions."""
+    options = "num_train_images=24,num_test_images=8,seed=5"
+    argv = ["--dataset", "sort_of_clevr", "--dataset_options", options, "--output_dir", str(tmp_path / "vqa")]
+    results = train_and_save(setup_run([*argv, *TINY, "--max_steps", "2"]))
+    assert {"eval_map_on_object", "eval_map_answer_changes_at_peak", "eval_map_answer_changes_at_random"} <= set(
+        results
+    )
+    assert all(0 <= results[k] <= 1 for k in results if k.startswith("eval_map_"))
+
+
 def test_answers_match_the_scene(data):
     for split in ("train", "test"):
         names = data[split].features["answer"].names

@@ -16,6 +16,7 @@ from PIL import Image
 from transformers import AutoModelForPreTraining, AutoModelForVisualQuestionAnswering, AutoProcessor, pipeline
 
 from mm_fusion.data import load_easy_vqa
+from mm_fusion.image_maps import foreground_masks, peak_on
 from mm_fusion.training import (
     MMFusionImageGroupedSampler,
     MMFusionMonitorCallback,
@@ -84,6 +85,16 @@ def test_vqa_run_saves_a_loadable_model_with_its_card(tmp_path):
     assert served.evaluate()["eval_accuracy"] == results["eval_accuracy"]
     correct = correct_by_hand(served)
     assert len(correct) == 40 and results["eval_accuracy"] == pytest.approx(correct.mean())
+    # Where the default map points, checked on the evaluation questions (easy-VQA: the shape's pixels), in the results
+    # and on the card, as counted by hand from the saved model's maps.
+    eval_rows = load_easy_vqa(["test"])["test"].select(range(40))
+    images = [Image.open(path).convert("RGB") for path in eval_rows["image"]]
+    batch = processor(images=images, text=list(eval_rows["question"]))
+    maps = model.eval().image_maps(**batch).maps[:, 0]
+    on_shape = peak_on(maps, foreground_masks(batch["pixel_values"])).float().mean()
+    assert results["eval_map_on_object"] == pytest.approx(float(on_shape))
+    assert 0 <= results["eval_map_answer_changes_at_random"] <= 1 and 0 <= results["eval_map_answer_changes_at_peak"]
+    assert f"| map_on_object | {results['eval_map_on_object']:.4f} |" in card and "`map_*`: where the model" in card
 
 
 def test_yaml_config_with_flag_overrides(tmp_path):

@@ -12,7 +12,7 @@ over up to [`QUESTIONS`] evaluation questions, with the deletion test (the image
 They land in `all_results.json` and on the model card; the demo shows them beside the map.
 """
 
-import logging
+import math
 from collections.abc import Callable
 
 import numpy as np
@@ -20,8 +20,6 @@ import torch
 
 from ..image_maps import check_maps, foreground_masks
 
-
-logger = logging.getLogger(__name__)
 
 QUESTIONS = 1000  # evaluation questions checked (evenly spread over the evaluation pairs)
 NON_RELATIONAL = ("shape", "horizontal", "vertical")  # Sort-of-CLEVR families the named object alone answers
@@ -69,6 +67,11 @@ def sort_of_clevr_masks(questions, scenes, processor, scene_size: tuple[int, int
     height, width = processor.image_processor.size["height"], processor.image_processor.size["width"]
     masks = torch.zeros(len(questions), height, width, dtype=torch.bool)
     scale_x, scale_y = width / scene_size[0], height / scene_size[1]
+
+    def pixel(edge: float) -> int:  # the first pixel whose centre (i + 0.5) lies at or past a scaled edge
+        return math.ceil(edge - 0.5)
+
     for mask, (x0, y0, x1, y1) in zip(masks, named_object_boxes(questions, scenes, object_size)):
-        mask[round(y0 * scale_y) : round((y1 + 1) * scale_y), round(x0 * scale_x) : round((x1 + 1) * scale_x)] = True
+        rows = slice(pixel(y0 * scale_y), pixel((y1 + 1) * scale_y))
+        mask[rows, pixel(x0 * scale_x) : pixel((x1 + 1) * scale_x)] = True
     return masks

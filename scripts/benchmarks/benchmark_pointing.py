@@ -30,6 +30,7 @@ import argparse
 import json
 import re
 import sys
+import textwrap
 
 import numpy as np
 import torch
@@ -330,7 +331,7 @@ def draw_grid(model, processor, test, boxes, path: str, method: str | None, colo
     title = (
         f"{describe(result.method)}{word}: 8 held-out Sort-of-CLEVR questions (green: the named object; +: the peak)"
     )
-    plot(drawn, path, title=title)
+    plot(drawn, path, title="\n".join(textwrap.wrap(title, 50)))  # two columns: a narrow figure
 
 
 def table(figures: dict) -> str:
