@@ -1,15 +1,16 @@
 """
 Where a classification model looks in the image for its answer, as maps over the image for every image-text pair.
 
-- `"guided_gradient"` (the default, any fusion): input x gradient at the pixels, weighted by the coarse map the model
-  reads the image by, as Guided Grad-CAM (Selvaraju et al. 2017, arXiv:1610.02391) weights guided backpropagation by
-  Grad-CAM. Each pixel's input x gradient is the first-order change of the answer's logit were the pixel given the
-  image's median colour (the background's, on a plain background): `|sum_c (x_c - median_c) d logit / d x_c|`. The
-  coarse map is the question's cross-attention in the last fusion layer (`hierarchical`, `cross_attention`) or
-  Grad-CAM on the tower's last map read (`late`), put on the pixels bilinearly. The product is summed over a window
-  of a seventh of the image's side (9 pixels at 64), so that its peak is where the evidence gathers rather than one
-  noisy pixel. One forward and one backward pass per answer explained; the map is on the image's pixels.
-- `"input_x_gradient"`: the same pixel attribution without the coarse weighting.
+- `"guided_gradient"` (the default for cross-attention fusion): input x gradient at the pixels, weighted by the coarse
+  map the model reads the image by, as Guided Grad-CAM (Selvaraju et al. 2017, arXiv:1610.02391) weights guided
+  backpropagation by Grad-CAM. Each pixel's input x gradient is the first-order change of the answer's logit were the
+  pixel given the image's median colour (the background's, on a plain background), in magnitude: `|sum_c (x_c -
+  median_c) * dlogit/dx_c|`. The coarse map is the question's cross-attention in the last fusion layer (`hierarchical`,
+  `cross_attention`) or Grad-CAM on the tower's last map read (`late`), put on the pixels bilinearly. The product is
+  summed over a window of a seventh of the image's side (9 pixels at 64), so that its peak is where the evidence
+  gathers rather than one noisy pixel. One forward and one backward pass per answer explained; the map is on the
+  image's pixels.
+- `"input_x_gradient"` (the default for late fusion): the same pixel attribution without the coarse weighting.
 - `"attention"` (cross-attention fusion): per fusion layer, the text-to-image attention probabilities averaged over
   heads and over the text's real tokens. A map sums to 1 over the image's grid; the share a leading [CLS]-like image
   token took (a ViT tower's) is reported apart.
@@ -70,9 +71,10 @@ class ImageMaps:
 
 
 def default_method(config) -> str:
-    """`"guided_gradient"`: of the maps measured, the one whose peak lies on the named object most often
-    (scripts/benchmarks/README.md, benchmark_pointing.py)."""
-    return "guided_gradient"
+    """Of the maps measured, the one whose peak lies on the named object most often (scripts/benchmarks/README.md,
+    benchmark_pointing.py): `"guided_gradient"` for cross-attention fusion, `"input_x_gradient"` for late fusion
+    (whose coarse map, Grad-CAM on the last stage, points worse than the pixels alone)."""
+    return "input_x_gradient" if config.fusion_type == "late" else "guided_gradient"
 
 
 def describe(method: str) -> str:

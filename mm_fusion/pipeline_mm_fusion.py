@@ -300,7 +300,7 @@ class ImageTextClassificationPipeline(_MMFusionPipeline):
     `False`): each answer also gets `"maps"`, where the model looked in the image for that answer, as `{name:
     (height, width) float numpy array}` on the image's pixels, summing to 1: the model's default map
     (`MMFusionForImageTextClassification.image_maps`; its name says the method: input x gradient weighted by the
-    question's cross-attention, or by Grad-CAM for a late-fusion model). The map's pass gives the answers too.
+    question's cross-attention; for a late-fusion model input x gradient alone). The map's pass gives the answers too.
     Scores are softmax probabilities for a single-label model and independent sigmoids for a multi-label one, as
     the model's `config.problem_type` says. The answers come from the answers seen in training (`config.id2label`).
     A question with words the tokenizer never saw ([`~_MMFusionPipeline.unknown_words`]) is answered from its other

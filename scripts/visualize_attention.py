@@ -7,14 +7,14 @@ method named, and how that map was measured at the end of the model's training.
     python scripts/visualize_attention.py --model outputs/sort_of_clevr --image a.png b.png \
         --question "Is the red object on the left?" "What is the shape of the blue object?"   # one row per pair
 
-The default map (`--method guided_gradient`) is input x gradient at the pixels, weighted by the question's
-cross-attention (by Grad-CAM for late fusion), for the answer given; `--method input_x_gradient` leaves out the
-weighting. `--method attention` shows, per fusion layer, the question's attention over the image tokens, averaged over
-heads and over its real tokens (or one token's with `--token`); a leading [CLS]-like image token's share is reported
-apart. A tower conditioned by cross-attention (`vision_text_attention`) shows, with `--method tower_attention --token
-N`, per stage the attention its cells give token N. `--method grad_cam`: Grad-CAM on the last tower map the model
-reads. The maps come from `MMFusionForImageTextClassification.image_maps`; how often each peaks on the object a
-question names: scripts/benchmarks/README.md, benchmark_pointing.py.
+The default map is, for cross-attention fusion, input x gradient at the pixels weighted by the question's
+cross-attention (`--method guided_gradient`), for the answer given; for late fusion input x gradient alone (`--method
+input_x_gradient`). `--method attention` shows, per fusion layer, the question's attention over the image tokens,
+averaged over heads and over its real tokens (or one token's with `--token`); a leading [CLS]-like image token's share
+is reported apart. A tower conditioned by cross-attention (`vision_text_attention`) shows, with `--method
+tower_attention --token N`, per stage the attention its cells give token N. `--method grad_cam`: Grad-CAM on the last
+tower map the model reads. The maps come from `MMFusionForImageTextClassification.image_maps`; how often each peaks on
+the object a question names: scripts/benchmarks/README.md, benchmark_pointing.py.
 """
 
 import os

@@ -115,8 +115,10 @@ def test_guided_gradient_weights_the_pixels_by_the_models_coarse_map(tester, fus
     fusion), put on the pixels bilinearly, summed over the window and scaled to 1; every answer gets its own."""
     model = classifier(tester, fusion_type, "resnet")
     inputs = tester.inputs()
-    result = model.image_maps(**inputs)
+    result = model.image_maps(**inputs, method="guided_gradient")
     assert result.method == "guided_gradient"
+    default = model.image_maps(**inputs).method  # late fusion's default is the pixels alone: it points better
+    assert default == ("input_x_gradient" if fusion_type == "late" else "guided_gradient")
     coarse = "Grad-CAM on the vision stage 2" if fusion_type == "late" else "fusion layer 2's attention"
     assert result.layers == [f"input x gradient x {coarse}"]
     contributions, logits, answers = pixel_contributions(model, inputs)
@@ -126,7 +128,7 @@ def test_guided_gradient_weights_the_pixels_by_the_models_coarse_map(tester, fus
     window = smoothing_window((30, 30))
     summed = F.avg_pool2d((contributions.abs() * weights)[:, None], window, 1, window // 2, count_include_pad=False)
     torch.testing.assert_close(result.maps[:, 0], summed[:, 0] / summed.sum((-1, -2), keepdim=True)[:, 0])
-    other = model.image_maps(**inputs, targets=(answers + 1) % tester.num_labels)
+    other = model.image_maps(**inputs, method="guided_gradient", targets=(answers + 1) % tester.num_labels)
     assert not torch.allclose(other.maps, result.maps)
 
 
