@@ -471,35 +471,19 @@ class MapChecks:
     changed_at_random: torch.Tensor
 
 
-def check_maps(
-    model,
-    processor,
-    images: list,
-    texts: list[str],
-    masks,
-    answers: list[int],
-    method: str | None = None,
-    batch_size: int = 64,
-    side: int = 10,
-    seed: int = 0,
-    **map_kwargs,
-) -> MapChecks:
+def check_maps(model, batches, method: str | None = None, side: int = 10, seed: int = 0, **map_kwargs) -> MapChecks:
     """
-    Whether a classification model's maps point and are faithful, over image-text pairs with their expected answers
-    (class ids): the map's peak on `masks` (`(N, H, W)` booleans at the model's input size, or a function of a batch's
-    uint8 `pixel_values` giving them, e.g. [`foreground_masks`]), and the [`deletion_test`] with `side` x `side`
-    squares (random squares from `seed`). `map_kwargs` go to `image_maps` (e.g. `token`, one per pair).
+    Whether a classification model's maps point and are faithful, over `batches` of `(inputs, masks, answers)`: the
+    model's inputs with one uint8 image per pair, the pixels the peak should fall on (`(N, H, W)` booleans at the
+    inputs' size) and the expected answers (class ids). Checks the map's peak on the masks, the answers, and the
+    [`deletion_test`] with `side` x `side` squares (random squares from `seed`). `map_kwargs` go to `image_maps`.
     """
     generator = torch.Generator().manual_seed(seed)
     checks = {"on_target": [], "right": [], "changed_at_peak": [], "changed_at_random": []}
-    for start in range(0, len(texts), batch_size):
-        end = start + batch_size
-        inputs = dict(processor(images=images[start:end], text=texts[start:end]))
-        kwargs = {k: (v[start:end] if isinstance(v, torch.Tensor) and v.dim() else v) for k, v in map_kwargs.items()}
-        result = model.image_maps(**inputs, method=method, **kwargs)
-        batch_masks = masks(inputs["pixel_values"]) if callable(masks) else masks[start:end]
-        checks["on_target"].append(peak_on(result.maps[:, -1], batch_masks))
-        checks["right"].append(result.logits.argmax(-1) == torch.as_tensor(answers[start:end]))
+    for inputs, masks, answers in batches:
+        result = model.image_maps(**inputs, method=method, **map_kwargs)
+        checks["on_target"].append(peak_on(result.maps[:, -1], masks))
+        checks["right"].append(result.logits.argmax(-1) == torch.as_tensor(answers))
         at_peak, at_random = deletion_test(model, inputs, result.maps[:, -1], side, generator)
         checks["changed_at_peak"].append(at_peak)
         checks["changed_at_random"].append(at_random)

@@ -50,12 +50,10 @@ def expected_answer(objects, question, image_size=64):
 def test_named_object_masks_cover_the_named_colour(data):
     """The map checks' targets: the square of the object each question names, on the processor's image size (the 64
     px scenes served at 32 px here)."""
-    from mm_fusion import MMFusionImageProcessor
     from mm_fusion.training.map_checks import sort_of_clevr_masks
 
     test = data["test"].select(range(12))
-    processor = type("Processor", (), {"image_processor": MMFusionImageProcessor(size={"height": 32, "width": 32})})
-    masks = sort_of_clevr_masks(test["question"], test["objects"], processor, (64, 64), object_size=10)
+    masks = sort_of_clevr_masks(test["question"], test["objects"], (32, 32), (64, 64), object_size=10)
     assert masks.shape == (12, 32, 32) and ((masks.sum((-1, -2)) >= 16) & (masks.sum((-1, -2)) <= 36)).all()
     for row, mask in zip(test, masks):
         colour = next(c for c in COLOURS if f" {c} object" in row["question"])

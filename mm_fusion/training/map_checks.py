@@ -25,32 +25,44 @@ QUESTIONS = 1000  # evaluation questions checked (evenly spread over the evaluat
 NON_RELATIONAL = ("shape", "horizontal", "vertical")  # Sort-of-CLEVR families the named object alone answers
 
 
-def map_check(data_args, eval_rows, options: dict | None = None) -> Callable | None:
-    """For an easy-VQA or Sort-of-CLEVR VQA run with evaluation pairs (`eval_rows`, as loaded), a function `(model,
-    processor) -> dict` of the figures above; None for other data (no object places to check against).
-    `options`: Sort-of-CLEVR's `--dataset_options`."""
-    if eval_rows is None or data_args.dataset not in ("easy_vqa", "sort_of_clevr") or data_args.streaming:
+def map_check(data_args, eval_rows, eval_pairs, collator, options: dict | None = None) -> Callable | None:
+    """For an easy-VQA or Sort-of-CLEVR VQA run with evaluation pairs, a function `model -> dict` of the figures above;
+    None for other data (no object places to check against). It reads the pairs as evaluation does, from the cache
+    (`eval_pairs`, prepared, through the evaluation `collator`): no image is decoded again. `eval_rows`: the loaded
+    evaluation rows, for Sort-of-CLEVR's scenes; `options`: its `--dataset_options`."""
+    if eval_pairs is None or data_args.dataset not in ("easy_vqa", "sort_of_clevr") or data_args.streaming:
         return None
-    if data_args.dataset == "sort_of_clevr":
-        keep = [i for i, family in enumerate(eval_rows["question_family"]) if family in NON_RELATIONAL]
-        eval_rows = eval_rows.select(keep)
-    picked = np.unique(np.linspace(0, len(eval_rows) - 1, min(QUESTIONS, len(eval_rows))).round().astype(int))
-    rows = eval_rows.select(picked)
-    object_size = (options or {}).get("object_size", 10)
+    sort_of_clevr = data_args.dataset == "sort_of_clevr"
+    keep = range(len(eval_pairs))
+    if sort_of_clevr:
+        rows = {str(i): (q, f, o) for i, q, f, o in zip(*(eval_rows[c] for c in ("id", "question", "question_family",
+                                                                                  "objects")))}  # fmt: skip
+        ids = [str(i) for i in eval_pairs["id"]]
+        keep = [k for k, i in enumerate(ids) if rows[i][1] in NON_RELATIONAL]
+    picked = sorted({keep[int(k)] for k in np.linspace(0, len(keep) - 1, min(QUESTIONS, len(keep))).round()})
+    pairs = eval_pairs.select(picked)
+    options = options or {}
 
-    def check(model, processor) -> dict:
-        from PIL import Image
+    def batches(size: int = 64):
+        for start in range(0, len(pairs), size):
+            batch = collator([pairs[k] for k in range(start, min(start + size, len(pairs)))])
+            inputs = {
+                k: batch[k] for k in ("pixel_values", "input_ids", "attention_mask", "token_type_ids") if k in batch
+            }
+            if "image_index" in batch:  # one image per pair, as the deletion test paints each pair's own
+                inputs["pixel_values"] = inputs["pixel_values"][batch["image_index"]]
+            if sort_of_clevr:
+                scenes = [rows[i] for i in batch["sample_ids"]]  # (question, family, objects)
+                questions, scenes = [q for q, _, _ in scenes], [o for _, _, o in scenes]
+                scene_size = (options.get("image_size", 64),) * 2
+                image_size = tuple(inputs["pixel_values"].shape[-2:])
+                masks = sort_of_clevr_masks(questions, scenes, image_size, scene_size, options.get("object_size", 10))
+            else:
+                masks = foreground_masks(inputs["pixel_values"])
+            yield inputs, masks, batch["labels"]
 
-        images = [Image.open(i).convert("RGB") if isinstance(i, str) else i.convert("RGB") for i in rows["image"]]
-        texts = list(rows["question"])
-        names = rows.features["answer"].names
-        label2id = {label: int(i) for i, label in model.config.id2label.items()}
-        answers = [label2id.get(names[a], -1) for a in rows["answer"]]
-        if data_args.dataset == "easy_vqa":
-            masks = foreground_masks
-        else:
-            masks = sort_of_clevr_masks(texts, rows["objects"], processor, images[0].size, object_size)
-        checks = check_maps(model.eval(), processor, images, texts, masks, answers)
+    def check(model) -> dict:
+        checks = check_maps(model.eval(), batches())
         return {
             "eval_map_on_object": float(checks.on_target.float().mean()),
             "eval_map_answer_changes_at_peak": float(checks.changed_at_peak.float().mean()),
@@ -60,13 +72,15 @@ def map_check(data_args, eval_rows, options: dict | None = None) -> Callable | N
     return check
 
 
-def sort_of_clevr_masks(questions, scenes, processor, scene_size: tuple[int, int], object_size: int) -> torch.Tensor:
-    """The named objects' squares, as masks on the processor's image size."""
+def sort_of_clevr_masks(
+    questions, scenes, size: tuple[int, int], scene_size: tuple[int, int], object_size: int
+) -> torch.Tensor:
+    """The named objects' squares in scenes of `scene_size` (height, width), as masks on images of `size`."""
     from ..data.sort_of_clevr import named_object_boxes
 
-    height, width = processor.image_processor.size["height"], processor.image_processor.size["width"]
+    height, width = size
     masks = torch.zeros(len(questions), height, width, dtype=torch.bool)
-    scale_x, scale_y = width / scene_size[0], height / scene_size[1]
+    scale_x, scale_y = width / scene_size[1], height / scene_size[0]
 
     def pixel(edge: float) -> int:  # the first pixel whose centre (i + 0.5) lies at or past a scaled edge
         return math.ceil(edge - 0.5)

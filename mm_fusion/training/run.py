@@ -64,7 +64,7 @@ def build_trainer(
     )
     if task != "pretrain":  # where the map points, checked at the end ([`final_metrics`])
         options = parse_overrides(data_args.dataset_options, flag="--dataset_options")
-        trainer.map_check = map_check(data_args, data.datasets.get("eval"), options)
+        trainer.map_check = map_check(data_args, data.datasets.get("eval"), eval_pairs, eval_collator, options)
     if training_args.release_freed_memory:
         release_freed_memory()
     add_monitor(trainer, data_wait_warning=training_args.data_wait_warning, peak_tflops=training_args.peak_tflops)
@@ -110,7 +110,7 @@ def final_metrics(trainer: MMFusionTrainer, train_result) -> dict:
     check = getattr(trainer, "map_check", None)
     if check is not None and trainer.is_world_process_zero():
         model = trainer.accelerator.unwrap_model(trainer.model)
-        figures = check(model, trainer.processing_class)
+        figures = check(model)
         metrics.update(figures)
         last = next((h for h in reversed(trainer.state.log_history) if "eval_loss" in h), None)
         if last is not None:

@@ -442,8 +442,15 @@ def easy_vqa_pointing(model_dir: str, questions: int | None = None, methods=None
     names = test.features["answer"].names
     answers = [label2id[names[a]] for a in test["answer"]]
     report = {"questions": len(test), "by_method": {}}
+    texts = list(test["question"])
+
+    def batches(size: int = 64):
+        for start in range(0, len(texts), size):
+            inputs = dict(processor(images=images[start : start + size], text=texts[start : start + size]))
+            yield inputs, foreground_masks(inputs["pixel_values"]), answers[start : start + size]
+
     for method in methods or candidate_methods(model.config):
-        checks = check_maps(model, processor, images, list(test["question"]), foreground_masks, answers, method)
+        checks = check_maps(model, batches(), method)
         on_shape, right = checks.on_target.float().numpy(), checks.right.float().numpy()
         report["by_method"][checks.method] = {
             "layer": checks.layer,
