@@ -276,22 +276,21 @@ def _capture_name(model) -> str:
     return f"vision stage {base._vision_stages[-1]}"
 
 
-def _capture_last_map(model, captured: list[torch.Tensor]) -> tuple:
+def _capture_last_map(model, captured: list[torch.Tensor]):
     """A hook that appends the last tower map the model reads to `captured` (a backbone / convolutional tower's last
-    stage read, as its token projection receives it; a transformer tower's last hidden state); returns the handle and
-    the map's name."""
+    stage read, as its token projection receives it; a transformer tower's last hidden state); returns its handle."""
     base = model.mm_fusion
     if base.feature_map_tokens is None:  # the last hidden state's tokens
 
         def capture(module, args, output):
             captured.append(output.last_hidden_state)
 
-        return base.vision_model.register_forward_hook(capture), _capture_name(model)
+        return base.vision_model.register_forward_hook(capture)
 
     def capture_stages(module, args):
         captured.append(args[0][-1])
 
-    return base.feature_map_tokens.register_forward_pre_hook(capture_stages), _capture_name(model)
+    return base.feature_map_tokens.register_forward_pre_hook(capture_stages)
 
 
 def _cam(activations: torch.Tensor, gradients: torch.Tensor) -> torch.Tensor:
@@ -320,7 +319,7 @@ def _answer_score(logits: torch.Tensor, targets: torch.Tensor | None) -> tuple[t
 
 def _grad_cam(model, inputs: dict, targets: torch.Tensor | None) -> ImageMaps:
     captured: list[torch.Tensor] = []
-    handle, name = _capture_last_map(model, captured)
+    handle = _capture_last_map(model, captured)
     try:
         with torch.enable_grad():
             logits = model(**inputs).logits
@@ -331,7 +330,7 @@ def _grad_cam(model, inputs: dict, targets: torch.Tensor | None) -> ImageMaps:
     cam = _sum_to_one(_cam(captured[-1], gradients))
     return ImageMaps(
         maps=cam[:, None],
-        layers=[f"Grad-CAM, {name}"],
+        layers=[f"Grad-CAM, {_capture_name(model)}"],
         method="grad_cam",
         logits=logits.detach().float(),
         targets=chosen.detach(),
@@ -365,7 +364,7 @@ def _contributions(model, inputs: dict, targets: torch.Tensor | None, coarse: st
     captured: list[torch.Tensor] = []
     handles = []
     if coarse == "grad_cam":
-        handles = [_capture_last_map(model, captured)[0]]
+        handles = [_capture_last_map(model, captured)]
     elif coarse == "attention":
         handles = _capture_attention(model, captured)
     try:
@@ -376,7 +375,7 @@ def _contributions(model, inputs: dict, targets: torch.Tensor | None, coarse: st
     finally:
         for handle in handles:
             handle.remove()
-    reference = pixels.detach().flatten(2).median(-1).values[..., None, None]  # (N, C, 1, 1): the median colour
+    reference = median_colours(pixels.detach())[..., None, None]  # (N, C, 1, 1)
     contributions = ((pixels.detach() - reference) * gradients[0]).sum(1).float()  # (N, H, W)
     return contributions, logits.detach().float(), chosen.detach(), captured, gradients[1:]
 
@@ -437,10 +436,7 @@ def peak_on(maps: torch.Tensor, masks: torch.Tensor) -> torch.Tensor:
     cell, on the pixel it falls in (a centre on a border between pixels: the one below / to the right). Returns a
     boolean `(N, ...)`.
     """
-    size = tuple(masks.shape[-2:])
-    y, x = peak_pixels(maps, size)
-    rows = torch.floor(y + 0.5).long().clamp(0, size[0] - 1)
-    columns = torch.floor(x + 0.5).long().clamp(0, size[1] - 1)
+    rows, columns = peak_pixel_indices(maps, tuple(masks.shape[-2:]))
     index = torch.arange(len(masks)).view(-1, *(1,) * (rows.dim() - 1)).expand_as(rows)
     return masks[index, rows, columns]
 
@@ -524,9 +520,8 @@ def deletion_test(
         raise ValueError(f"A {height} x {width} image has no room for two {side} x {side} squares apart.")
     # Square centres, kept where the whole square lies inside the image.
     low, high_rows, high_columns = side // 2, height - side + side // 2, width - side + side // 2
-    y, x = peak_pixels(maps, (height, width))
-    rows = torch.floor(y + 0.5).long().clamp(low, high_rows)
-    columns = torch.floor(x + 0.5).long().clamp(low, high_columns)
+    rows, columns = peak_pixel_indices(maps, (height, width))
+    rows, columns = rows.clamp(low, high_rows), columns.clamp(low, high_columns)
     # Random squares that do not overlap the peak's: centres `side` or more apart along a row or a column.
     random_rows, random_columns = rows.clone(), columns.clone()
     for i in range(len(rows)):
@@ -557,6 +552,13 @@ def reachable(grid: tuple[int, int], boxes: torch.Tensor, size: tuple[int, int])
     across = ((columns >= x0 - 0.5) & (columns <= x1 + 0.5)).any(-1)
     down = ((rows >= y0 - 0.5) & (rows <= y1 + 0.5)).any(-1)
     return across & down
+
+
+def peak_pixel_indices(maps: torch.Tensor, size: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (row, column) of the pixel each map's peak ([`peak_pixels`]) falls in (a centre on a border between
+    pixels: the one below / to the right)."""
+    y, x = peak_pixels(maps, size)
+    return (torch.floor(y + 0.5).long().clamp(0, size[0] - 1), torch.floor(x + 0.5).long().clamp(0, size[1] - 1))
 
 
 def peak_pixels(maps: torch.Tensor, size: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:

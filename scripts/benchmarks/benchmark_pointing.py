@@ -165,15 +165,14 @@ def scene_variants(test, object_size: int, seed: int = 0) -> tuple[list, list, l
     """For each shape question: its scene re-drawn with only the named object's shape changed, and with only another
     object's (drawn at random) changed; the answers each then has (the named object's new shape, and the same as
     before)."""
-    from mm_fusion.data.sort_of_clevr import SHAPES, render_scene
+    from mm_fusion.data.sort_of_clevr import SHAPES, named_colour, render_scene
 
-    pattern = colour_pattern()
     rng = np.random.default_rng(seed)
     names = test.features["answer"].names
     size = test[0]["image"].width
     named_changed, other_changed, follow, stay = [], [], [], []
     for question, objects, answer in zip(test["question"], test["objects"], test["answer"]):
-        colour = pattern.search(question).group(1)
+        colour = named_colour(question)
         others = [k for k, o in enumerate(objects) if o["colour"] != colour]
         variants = []
         named = next(k for k, o in enumerate(objects) if o["colour"] == colour)
@@ -257,14 +256,13 @@ def occlusion_pointing(model, processor, test, boxes, images: int = 50, side: in
 def object_removal(model, processor, test, object_size: int) -> dict:
     """What the answer rests on, per family (and per answer for left / top): how often it changes when the named
     object is removed from the scene (re-drawn without it), and when another object is."""
-    from mm_fusion.data.sort_of_clevr import render_scene
+    from mm_fusion.data.sort_of_clevr import named_colour, render_scene
 
-    pattern = colour_pattern()
     rng = np.random.default_rng(0)
     size = test[0]["image"].width
     without_named, without_other = [], []
     for question, objects in zip(test["question"], test["objects"]):
-        colour = pattern.search(question).group(1)
+        colour = named_colour(question)
         others = [o for o in objects if o["colour"] != colour]
         other = others[rng.integers(len(others))]
         without_named.append(render_scene(others, size, object_size))
