@@ -20,6 +20,7 @@ from .modeling_mm_fusion import (
     MMFusionForPretraining,
     MMFusionModel,
     MMFusionPreTrainedModel,
+    MMFusionPretrainingLoss,
 )
 from .onnx_model import MMFusionOnnxModel
 from .pipeline_mm_fusion import (
@@ -82,6 +83,7 @@ __all__ = [
     "MMFusionConfig",
     "MMFusionForImageTextClassification",
     "MMFusionForPretraining",
+    "MMFusionPretrainingLoss",
     "MMFusionImageProcessor",
     "MMFusionModel",
     "MMFusionOnnxModel",

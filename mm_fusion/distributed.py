@@ -1,34 +1,15 @@
 """
-Collectives over the ranks of a run, for the losses that see every rank's batch (the contrastive ITC loss, the ITM
-negatives of [`MMFusionForPretraining`]) and for the gradient cache of `mm_fusion.training`. Every function is a
-no-op in a single process. Saved with a model's code, since its modeling file uses it.
+Collectives over the ranks of a run, for the losses that see every rank's batch ([`MMFusionPretrainingLoss`], told the
+ranks it gathers from) and for the gradient cache of `mm_fusion.training`. Every function is a no-op in a single
+process. Saved with a model's code, since its modeling file uses it.
 """
-
-from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
 
 
-_LOCAL_ONLY = False
-
-
-@contextmanager
-def local_only():
-    """Within it, every function here acts as in a single process (no collective): e.g. for a step that measures
-    what fits in this rank's memory while the other ranks measure theirs."""
-    global _LOCAL_ONLY
-    previous, _LOCAL_ONLY = _LOCAL_ONLY, True
-    try:
-        yield
-    finally:
-        _LOCAL_ONLY = previous
-
-
 def world() -> tuple[int, int]:
-    """World size and rank of the default process group; `(1, 0)` without one (or inside [`local_only`])."""
-    if _LOCAL_ONLY:
-        return 1, 0
+    """World size and rank of the default process group; `(1, 0)` without one."""
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return torch.distributed.get_world_size(), torch.distributed.get_rank()
     return 1, 0
@@ -81,13 +62,4 @@ def all_gather_with_grad(x: torch.Tensor, rows: list[int] | None = None, length:
     return torch.cat([part[:n] for part, n in zip(parts, rows)], dim=0)
 
 
-def broadcast_seed(device: torch.device) -> int:
-    """A seed drawn from the global torch RNG on every rank and broadcast from rank 0, so all ranks use the same."""
-    seed = torch.randint(0, 2**62, (1,), dtype=torch.int64)
-    if world()[0] > 1:
-        seed = seed.to(device)
-        torch.distributed.broadcast(seed, src=0)
-    return int(seed.item())
-
-
-__all__ = ["all_gather_with_grad", "broadcast_seed", "gather_sizes", "local_only", "world"]
+__all__ = ["all_gather_with_grad", "gather_sizes", "world"]

@@ -17,7 +17,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.utils import ModelOutput, can_return_tuple
 
 from .configuration_mm_fusion import WORDS, MMFusionConfig
-from .distributed import all_gather_with_grad, broadcast_seed, gather_sizes, world
+from .distributed import all_gather_with_grad, gather_sizes, world
 from .image_maps import ImageMaps
 from .image_maps import image_maps as _image_maps
 from .vision_encoder import MMFusionVisionEncoder, bridge_features, pool, sequence
@@ -1497,37 +1497,101 @@ class MMFusionForImageTextClassification(MMFusionPreTrainedModel):
             )
 
 
-def _gather_itm_inputs(
-    image_features: list[torch.Tensor],
-    text_features: list[torch.Tensor],
-    attention_mask: torch.Tensor | None,
-    image_embeds: torch.Tensor,
-    text_embeds: torch.Tensor,
-) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor | None, torch.Tensor, torch.Tensor, int]:
+class MMFusionPretrainingLoss:
+    r"""
+    The ITC + ITM loss of [`MMFusionForPretraining`] and what it sees of the run, as open_clip's `ClipLoss`: told the
+    process's `rank` and the `world_size`, it scores each rank's pairs against every rank's (features all-gathered
+    with their gradient) and draws the ITM negatives from the global batch with a seed shared by the ranks. The
+    default, `world_size=1`, is this process's batch alone: no collective, whatever process group exists.
+    `MMFusionTrainer` passes one told the run's ranks; a model called without one never touches a process group.
+
+    Example (in each process of a `torch.distributed` run):
+
+    ```python
+    >>> rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    >>> loss_fn = MMFusionPretrainingLoss(rank=rank, world_size=world_size)
+    >>> out = model(**batch, return_loss=True, loss_fn=loss_fn)
+    ```
     """
-    The global batch ITM draws negatives from: every rank's tower features and text masks, all-gathered with their
-    gradient (texts zero-padded to the longest length of any rank, batches of any size), the normalised embeddings
-    (without gradient), and this rank's offset into them. The inputs themselves in a single process.
-    """
-    world_size, rank = world()
-    if world_size == 1:
-        return image_features, text_features, attention_mask, image_embeds, text_embeds, 0
-    sizes = gather_sizes(text_features[0], dims=2)  # (B, T) of every rank
-    rows, length = [B for B, _ in sizes], max(T for _, T in sizes)
-    if attention_mask is None:
-        B, T = text_features[0].shape[:2]
-        attention_mask = torch.ones(B, T, dtype=torch.long, device=text_features[0].device)
-    with torch.no_grad():
-        all_image_embeds = all_gather_with_grad(image_embeds, rows)
-        all_text_embeds = all_gather_with_grad(text_embeds, rows)
-    return (
-        [all_gather_with_grad(f, rows) for f in image_features],
-        [all_gather_with_grad(f, rows, length) for f in text_features],
-        all_gather_with_grad(attention_mask, rows, length),
-        all_image_embeds,
-        all_text_embeds,
-        sum(rows[:rank]),
-    )
+
+    def __init__(self, rank: int = 0, world_size: int = 1):
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(
+                f"MMFusionPretrainingLoss needs 0 <= rank < world_size, got rank {rank}, world_size {world_size}."
+            )
+        self.rank, self.world_size = rank, world_size
+
+    @classmethod
+    def from_process_group(cls) -> "MMFusionPretrainingLoss":
+        """Told the rank and size of the default process group (a single process without one)."""
+        world_size, rank = world()
+        return cls(rank=rank, world_size=world_size)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(rank={self.rank}, world_size={self.world_size})"
+
+    def __call__(self, model, encoded, attention_mask, image_embeds, text_embeds, fusion_kwargs) -> tuple:
+        """`model`'s loss on this rank's pairs: `(loss, itc_loss, itm_loss, logits_per_image, logits_per_text,
+        itm_logits, fused)` (the ITM fields `None` with `itm_loss_weight=0`)."""
+        config = model.config
+        itc_loss, logits_per_image, logits_per_text = model.contrastive_loss(image_embeds, text_embeds, loss_fn=self)
+        loss = config.itc_loss_weight * itc_loss
+        itm_loss = itm_logits = fused = None
+        if config.itm_loss_weight > 0:
+            itm_loss, itm_logits, fused = model._itm(
+                encoded, attention_mask, image_embeds, text_embeds, fusion_kwargs, loss_fn=self
+            )
+            loss = loss + config.itm_loss_weight * itm_loss
+        return loss, itc_loss, itm_loss, logits_per_image, logits_per_text, itm_logits, fused
+
+    def gather(self, x: torch.Tensor, rows: list[int] | None = None, length: int | None = None) -> torch.Tensor:
+        """Every rank's `x` along dim 0, in rank order, with its gradient ([`all_gather_with_grad`]); `x` alone in a
+        world of one."""
+        return x if self.world_size == 1 else all_gather_with_grad(x, rows, length)
+
+    def sizes(self, x: torch.Tensor, dims: int = 1) -> list[tuple[int, ...]]:
+        """Every rank's `x.shape[:dims]`, in rank order."""
+        return [tuple(x.shape[:dims])] if self.world_size == 1 else gather_sizes(x, dims)
+
+    def shared_seed(self, device: torch.device) -> int:
+        """A seed drawn from the global torch RNG, rank 0's on every rank."""
+        seed = torch.randint(0, 2**62, (1,), dtype=torch.int64)
+        if self.world_size > 1:
+            seed = seed.to(device)
+            torch.distributed.broadcast(seed, src=0)
+        return int(seed.item())
+
+    def itm_inputs(
+        self,
+        image_features: list[torch.Tensor],
+        text_features: list[torch.Tensor],
+        attention_mask: torch.Tensor | None,
+        image_embeds: torch.Tensor,
+        text_embeds: torch.Tensor,
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor | None, torch.Tensor, torch.Tensor, int]:
+        """
+        The global batch ITM draws negatives from: every rank's tower features and text masks, all-gathered with
+        their gradient (texts zero-padded to the longest length of any rank, batches of any size), the normalised
+        embeddings (without gradient), and this rank's offset into them. The inputs themselves in a world of one.
+        """
+        if self.world_size == 1:
+            return image_features, text_features, attention_mask, image_embeds, text_embeds, 0
+        sizes = self.sizes(text_features[0], dims=2)  # (B, T) of every rank
+        rows, length = [B for B, _ in sizes], max(T for _, T in sizes)
+        if attention_mask is None:
+            B, T = text_features[0].shape[:2]
+            attention_mask = torch.ones(B, T, dtype=torch.long, device=text_features[0].device)
+        with torch.no_grad():
+            all_image_embeds = self.gather(image_embeds, rows)
+            all_text_embeds = self.gather(text_embeds, rows)
+        return (
+            [self.gather(f, rows) for f in image_features],
+            [self.gather(f, rows, length) for f in text_features],
+            self.gather(attention_mask, rows, length),
+            all_image_embeds,
+            all_text_embeds,
+            sum(rows[: self.rank]),
+        )
 
 
 class MMFusionForPretraining(MMFusionPreTrainedModel):
@@ -1587,6 +1651,7 @@ class MMFusionForPretraining(MMFusionPreTrainedModel):
         return_dict: bool | None = None,
         image_rows: torch.Tensor | None = None,
         sample_ids: list[str] | None = None,
+        loss_fn: MMFusionPretrainingLoss | None = None,
     ) -> MMFusionForPretrainingOutput | tuple:
         r"""
         Args:
@@ -1599,6 +1664,9 @@ class MMFusionForPretraining(MMFusionPreTrainedModel):
                 since matching needs pairs.
             return_loss (`bool`, *optional*):
                 Compute the ITC + ITM loss. Defaults to `True` in training mode.
+            loss_fn ([`MMFusionPretrainingLoss`], *optional*):
+                The loss, told the ranks of a distributed run to score against and draw negatives from (and the
+                logits without the loss against). Default: this process's batch alone.
 
             See [`MMFusionModel.forward`] for the other arguments.
         """
@@ -1621,17 +1689,14 @@ class MMFusionForPretraining(MMFusionPreTrainedModel):
         extra = {name: getattr(encoded, name) for name in TOWER_OUTPUT_FIELDS}
         fusion_kwargs = {"output_attentions": output_attentions, "output_hidden_states": output_hidden_states}
 
+        loss_fn = MMFusionPretrainingLoss() if loss_fn is None else loss_fn
         loss = itc_loss = itm_loss = itm_logits = fused = None
         if return_loss:
-            itc_loss, logits_per_image, logits_per_text = self.contrastive_loss(image_embeds, text_embeds)
-            loss = self.config.itc_loss_weight * itc_loss
-            if self.config.itm_loss_weight > 0:
-                itm_loss, itm_logits, fused = self._itm(
-                    encoded, attention_mask, image_embeds, text_embeds, fusion_kwargs
-                )
-                loss = loss + self.config.itm_loss_weight * itm_loss
+            loss, itc_loss, itm_loss, logits_per_image, logits_per_text, itm_logits, fused = loss_fn(
+                self, encoded, attention_mask, image_embeds, text_embeds, fusion_kwargs
+            )
         else:
-            logits_per_image, logits_per_text, _ = self._contrastive_logits(image_embeds, text_embeds, gather=True)
+            logits_per_image, logits_per_text, _ = self._contrastive_logits(image_embeds, text_embeds, loss_fn)
             if M == N:
                 fused = base.fuse(encoded.image_features, encoded.text_features, attention_mask, **fusion_kwargs)
                 itm_logits = self.itm_head(fused.pooler_output)
@@ -1650,7 +1715,11 @@ class MMFusionForPretraining(MMFusionPreTrainedModel):
         )
 
     def contrastive_loss(
-        self, image_embeds: torch.Tensor, text_embeds: torch.Tensor, gather: bool = True
+        self,
+        image_embeds: torch.Tensor,
+        text_embeds: torch.Tensor,
+        gather: bool = True,
+        loss_fn: MMFusionPretrainingLoss | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         r"""
         The symmetric image-text contrastive loss (ITC): cross-entropy of each image over the texts and of each text
@@ -1660,42 +1729,47 @@ class MMFusionForPretraining(MMFusionPreTrainedModel):
             image_embeds, text_embeds (`torch.FloatTensor` of shape `(B, projection_dim)`):
                 L2-normalised embeddings; row i of each forms a pair.
             gather (`bool`, *optional*, defaults to `True`):
-                Score the rows against those of every rank, all-gathered with their gradient (a no-op in a single
-                process). `False` scores the given rows only, e.g. a batch gathered already.
+                Score the rows against those of every rank `loss_fn` is told of, all-gathered with their gradient.
+                `False` scores the given rows only, e.g. a batch gathered already.
+            loss_fn ([`MMFusionPretrainingLoss`], *optional*):
+                The ranks to gather from. Default: this process alone.
 
         Returns:
             The loss (mean over this rank's rows), `logits_per_image` `(B, G)` and `logits_per_text` `(B, G)`.
         """
-        logits_per_image, logits_per_text, offset = self._contrastive_logits(image_embeds, text_embeds, gather)
+        local = MMFusionPretrainingLoss()
+        loss_fn = local if not gather or loss_fn is None else loss_fn
+        logits_per_image, logits_per_text, offset = self._contrastive_logits(image_embeds, text_embeds, loss_fn)
         targets = torch.arange(image_embeds.shape[0], device=image_embeds.device) + offset
         loss = (F.cross_entropy(logits_per_image, targets) + F.cross_entropy(logits_per_text, targets)) / 2
         return loss, logits_per_image, logits_per_text
 
     def _contrastive_logits(
-        self, image_embeds: torch.Tensor, text_embeds: torch.Tensor, gather: bool
+        self, image_embeds: torch.Tensor, text_embeds: torch.Tensor, loss_fn: MMFusionPretrainingLoss
     ) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """Scaled cosine similarities of the local rows with every (gathered) row, and this rank's offset."""
+        """Scaled cosine similarities of the local rows with every row of `loss_fn`'s ranks, and this rank's
+        offset."""
         logit_scale = self.logit_scale.clamp(max=math.log(self.config.max_logit_scale)).exp()
-        all_image_embeds = all_gather_with_grad(image_embeds) if gather else image_embeds
-        all_text_embeds = all_gather_with_grad(text_embeds) if gather else text_embeds
-        offset = world()[1] * image_embeds.shape[0] if gather else 0
+        all_image_embeds = loss_fn.gather(image_embeds)
+        all_text_embeds = loss_fn.gather(text_embeds)
+        offset = loss_fn.rank * image_embeds.shape[0]
         logits_per_image = logit_scale * image_embeds @ all_text_embeds.t()  # (M, G_texts)
         logits_per_text = logit_scale * text_embeds @ all_image_embeds.t()  # (N, G_images)
         return logits_per_image, logits_per_text, offset
 
-    def _itm(self, encoded, attention_mask, image_embeds, text_embeds, fusion_kwargs):
+    def _itm(self, encoded, attention_mask, image_embeds, text_embeds, fusion_kwargs, loss_fn):
         """
         ITM loss over this rank's B positive pairs, each image with a hard negative text and each text with a hard
         negative image from the global batch, fused in one pass over the (gathered) tower features; returns it (the
         mean over this rank's pairs), the positives' logits and the fusion output of the positive pairs.
         """
         B = image_embeds.shape[0]
-        image_features, text_features, mask, all_image_embeds, all_text_embeds, offset = _gather_itm_inputs(
+        image_features, text_features, mask, all_image_embeds, all_text_embeds, offset = loss_fn.itm_inputs(
             encoded.image_features, encoded.text_features, attention_mask, image_embeds, text_embeds
         )
         rows = torch.arange(B, device=image_embeds.device) + offset
         if all_image_embeds.shape[0] > 1:
-            negative_text, negative_image = self._hard_negatives(all_image_embeds, all_text_embeds, rows)
+            negative_text, negative_image = self._hard_negatives(all_image_embeds, all_text_embeds, rows, loss_fn)
             image_index = torch.cat([rows, rows, negative_image])
             text_index = torch.cat([rows, negative_text, rows])
         else:
@@ -1716,7 +1790,11 @@ class MMFusionForPretraining(MMFusionPreTrainedModel):
 
     @torch.no_grad()
     def _hard_negatives(
-        self, image_embeds: torch.Tensor, text_embeds: torch.Tensor, rows: torch.Tensor
+        self,
+        image_embeds: torch.Tensor,
+        text_embeds: torch.Tensor,
+        rows: torch.Tensor,
+        loss_fn: MMFusionPretrainingLoss | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """
         For the images and texts at `rows` of the (global) batch, a negative text and a negative image, indices into
@@ -1728,7 +1806,8 @@ class MMFusionForPretraining(MMFusionPreTrainedModel):
         sim.fill_diagonal_(float("-inf"))
         if not self.training:
             return sim[rows].argmax(dim=1), sim.t()[rows].argmax(dim=1)
-        generator = torch.Generator(device=sim.device).manual_seed(broadcast_seed(sim.device))
+        loss_fn = MMFusionPretrainingLoss() if loss_fn is None else loss_fn
+        generator = torch.Generator(device=sim.device).manual_seed(loss_fn.shared_seed(sim.device))
         negative_text = torch.multinomial(F.softmax(sim, dim=1), 1, generator=generator).squeeze(1)
         negative_image = torch.multinomial(F.softmax(sim.t(), dim=1), 1, generator=generator).squeeze(1)
         return negative_text[rows], negative_image[rows]
@@ -1737,6 +1816,7 @@ class MMFusionForPretraining(MMFusionPreTrainedModel):
 __all__ = [
     "MMFusionForImageTextClassification",
     "MMFusionForPretraining",
+    "MMFusionPretrainingLoss",
     "MMFusionModel",
     "MMFusionPreTrainedModel",
 ]

@@ -418,13 +418,13 @@ def test_default_batches_hold_no_two_pairs_of_an_image_in_a_row(tmp_path):
     """The default recipe's batches: the pairs in a random order, an image's pairs in runs of 1 (0: all in one run;
     below 0: an error)."""
     trainer = setup_run(["--output_dir", str(tmp_path), "--max_train_samples", "200", *TINY])
-    sampler = trainer._get_train_sampler()
+    sampler = trainer.grouped_train_sampler()
     assert isinstance(sampler, MMFusionImageGroupedSampler) and sampler.group_size == 1  # runs: the test below
     assert sorted(sampler) == list(range(200))
     (_, _, unlimited) = parse(["--image_group_size", "0"])
     assert unlimited.image_group_size == 0
     trainer.args.image_group_size = 0
-    assert trainer._get_train_sampler().group_size is None
+    assert trainer.grouped_train_sampler().group_size is None
     with pytest.raises(ValueError, match="--image_group_size must be 0"):
         parse(["--image_group_size", "-1"])
 
@@ -835,3 +835,43 @@ def test_a_pretrained_text_tower_is_frozen_unless_asked_or_adapted(tmp_path, pre
     model_args, _, _ = parse([*flags, "--lora", "True"])
     assert model_args.freeze_text_model is False
     assert parse(flags[:-2])[0].freeze_text_model is False  # a text tower from scratch trains
+
+
+def test_trainer_overrides_at_most_three_private_trainer_methods_and_train_once():
+    """Issue 55: the Trainer classes of mm_fusion (read from the source, so that a Trainer subclass anywhere counts)
+    override at most 3 private `Trainer` methods in all, those named with their reasons in `PRIVATE_OVERRIDES`;
+    `train` is overridden once, and no `Trainer` method in two of `MMFusionTrainer`'s classes (behaviour independent
+    of their order)."""
+    import ast
+
+    from transformers import Trainer
+
+    from mm_fusion.training.trainer import PRIVATE_OVERRIDES, MMFusionTrainer
+
+    def trainer_class(node) -> bool:  # a unit of MMFusionTrainer, or any other subclass of a Trainer
+        bases = [ast.unparse(base).rsplit(".", 1)[-1] for base in node.bases]
+        return node.name in units or any(base.endswith("Trainer") or base in units for base in bases)
+
+    units = {cls.__name__ for cls in MMFusionTrainer.__mro__ if cls.__module__.startswith("mm_fusion")}
+    root = Path(__file__).resolve().parents[1] / "mm_fusion"
+    private, trains = [], []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ClassDef) or not trainer_class(node):
+                continue
+            for item in node.body:
+                if not isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)) or not hasattr(Trainer, item.name):
+                    continue
+                where = f"{path.relative_to(root)}:{node.name}.{item.name}"
+                if item.name.startswith("_") and not item.name.startswith("__"):
+                    private.append(where)
+                if item.name == "train":
+                    trains.append(where)
+    assert len(private) <= 3, private
+    assert sorted(where.rsplit(".", 1)[1] for where in private) == sorted(PRIVATE_OVERRIDES), private
+    assert len(trains) == 1, trains
+    own = [cls for cls in MMFusionTrainer.__mro__ if cls.__module__.startswith("mm_fusion")]
+    overridden = [(name, cls.__name__) for cls in own for name, value in vars(cls).items()
+                  if callable(value) and hasattr(Trainer, name) and not name.startswith("__")]  # fmt: skip
+    names = [name for name, _ in overridden]
+    assert len(names) == len(set(names)), sorted(overridden)

@@ -1,12 +1,15 @@
 """The batch-size ramp (`--batch_size_ramp_max`): its plan ([`BatchRamp`]), its batches ([`RampBatchSampler`]) and
 [`BatchRampMixin`], the unit of [`MMFusionTrainer`] that trains with it."""
 
+import bisect
+import itertools
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 from torch.utils.data import DataLoader, Sampler
+from transformers import TrainerCallback
 
 from .sampler import _EpochSeeded
 
@@ -86,19 +89,40 @@ class RampBatchSampler(_EpochSeeded, Sampler[list[int]]):
                 position += size
 
 
+class RampEpochCallback(TrainerCallback):
+    """
+    The epoch fraction of a ramp's step. Trainer runs every epoch for the plan's longest epoch's number of steps (the
+    first: the batch only grows); a later, shorter epoch's loader simply ends sooner, and the steps left are empty.
+    Trainer's `state.epoch` (`epoch + steps done / steps of the longest epoch`) is corrected here to the epoch's own
+    number of steps, before any log, evaluation or checkpoint reads it.
+    """
+
+    def __init__(self, plan: Callable[[], list[list[int]]]):
+        self.plan = plan  # the trainer's `ramp_plan`
+
+    def on_step_end(self, args, state, control, **kwargs):
+        ends = list(itertools.accumulate(len(sizes) for sizes in self.plan()))  # each epoch's last global step
+        epoch = bisect.bisect_left(ends, state.global_step)
+        if epoch < len(ends):
+            start = ends[epoch - 1] if epoch else 0
+            state.epoch = epoch + (state.global_step - start) / (ends[epoch] - start)
+
+
 class BatchRampMixin:
     """
-    Trainer mixin for `--batch_size_ramp_max`: epochs of different numbers of steps, planned in advance
-    ([`ramp_plan`]). `get_train_dataloader` draws the ramp's batches, `set_initial_training_values` counts the
-    planned steps and samples, `create_scheduler` scales each step's learning rate with its batch size, and two
-    private methods are overridden because Trainer computes inside them what the plan changes: the resumed step's
-    epoch (`_init_training_state`) and each epoch's number of steps (`_run_epoch`).
+    Trainer unit for `--batch_size_ramp_max`: epochs of different numbers of steps, planned in advance
+    ([`ramp_plan`]). [`ramp_dataloader`] draws the ramp's batches, [`ramp_training_values`] gives Trainer the planned
+    steps and samples, `create_scheduler` scales each step's learning rate with its batch size, [`RampEpochCallback`]
+    gives each step its epoch fraction, and [`ramp_resume_position`] finds a resumed step's epoch in the plan (for
+    [`MMFusionTrainer`]'s `_init_training_state`).
     """
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._ramp_plan = (None, None)  # (what the plan was made for, the plan)
         self._ramp_scheduler = None  # the scheduler whose rates were scaled
+        if self.batch_ramp() is not None:  # first among the callbacks added here: the others read its epoch
+            self.add_callback(RampEpochCallback(self.ramp_plan))
 
     def batch_ramp(self) -> BatchRamp | None:
         args = self.args
@@ -118,12 +142,11 @@ class BatchRampMixin:
             self._ramp_plan = (key, plan)
         return self._ramp_plan[1]
 
-    def get_train_dataloader(self):
-        if self.batch_ramp() is None:
-            return super().get_train_dataloader()
+    def ramp_dataloader(self):
+        """The training loader of a ramp: [`RampBatchSampler`]'s batches."""
         args = self.args
-        sampler = RampBatchSampler(len(self.train_dataset), self.ramp_plan(), args.world_size,
-                                   seed=args.data_seed or args.seed)  # fmt: skip
+        plan = self.ramp_plan()
+        sampler = RampBatchSampler(len(self.train_dataset), plan, args.world_size, seed=args.data_seed or args.seed)
         workers = args.dataloader_num_workers
         loader = DataLoader(
             self.train_dataset,
@@ -136,16 +159,15 @@ class BatchRampMixin:
         )
         return self.accelerator.prepare(loader)
 
-    def set_initial_training_values(self, args, dataloader):
-        values = super().set_initial_training_values(args, dataloader)
-        if self.batch_ramp() is None:
-            return values
+    def ramp_training_values(self, args):
+        """`set_initial_training_values` for a ramp: the longest epoch's steps (Trainer's steps per epoch), the planned
+        total, and the samples the plan draws."""
         plan = self.ramp_plan()
         steps = [len(sizes) for sizes in plan]
         max_steps = args.max_steps if args.max_steps > 0 else sum(steps)
         samples = sum(sum(sizes) for sizes in plan) * args.world_size
         largest = self.batch_ramp().maximum * args.world_size
-        return len(plan), max(steps), len(self.train_dataset), samples, largest, steps[0], max_steps
+        return len(plan), max(steps), len(self.train_dataset), samples, largest, max(steps), max_steps
 
     def create_scheduler(self, num_training_steps: int, optimizer=None):
         """Trainer's schedule times each step's [`BatchRamp.lr_factor`], as a new `LambdaLR` on the same optimizer."""
@@ -165,23 +187,12 @@ class BatchRampMixin:
         self._ramp_scheduler = self.lr_scheduler
         return self.lr_scheduler
 
-    def _init_training_state(self, max_steps, num_update_steps_per_epoch, num_train_epochs, resume_from_checkpoint,
-                             trial):  # fmt: skip
-        epochs_trained, skipped = super()._init_training_state(
-            max_steps, num_update_steps_per_epoch, num_train_epochs, resume_from_checkpoint, trial
-        )
-        if self.batch_ramp() is None or resume_from_checkpoint is None:
-            return epochs_trained, skipped
-        # Epochs have different numbers of steps: find the resumed step's epoch in the plan.
+    def ramp_resume_position(self) -> tuple[int, int]:
+        """The epoch of the resumed step (`state.global_step`) in the plan, and the batches of it already trained (0
+        with `ignore_data_skip`): Trainer divides the step by one number of steps per epoch."""
         done = self.state.global_step
         for epoch, sizes in enumerate(self.ramp_plan()):
             if done < len(sizes):
                 return epoch, 0 if self.args.ignore_data_skip else done
             done -= len(sizes)
         return len(self.ramp_plan()), 0
-
-    def _run_epoch(self, model, epoch, train_dataloader, *args, **kwargs):
-        if self.batch_ramp() is not None:  # this epoch's own number of steps
-            steps = len(self.ramp_plan()[min(epoch, len(self.ramp_plan()) - 1)])
-            kwargs["steps_in_epoch"] = kwargs["num_update_steps_per_epoch"] = steps
-        return super()._run_epoch(model, epoch, train_dataloader, *args, **kwargs)

@@ -6,8 +6,7 @@ import os
 import torch
 from transformers.utils import logging
 
-from ..distributed import local_only
-from .checkpoints import checkpoint_folder
+from ..modeling_mm_fusion import MMFusionPretrainingLoss
 
 
 # Written into each checkpoint of an `--auto_find_batch_size` run: the per-device batch and accumulation the ranks
@@ -24,24 +23,26 @@ class AgreedBatchSizeMixin:
     """
     Trainer mixin for `--auto_find_batch_size`. Trainer's own search runs in each process, halving the batch after an
     out-of-memory error there, so ranks with less free memory end up with other batch sizes (and a rank that runs out
-    of memory inside a collective hangs the others). Here `train` first finds the batch every rank can take
-    ([`agree_on_batch_size`]), or on resume takes the one its checkpoint holds; `_save_checkpoint` writes it into
-    each checkpoint.
+    of memory inside a collective hangs the others). Here [`settle_batch_size`] (at `train`) finds the batch every
+    rank can take ([`agree_on_batch_size`]), or on resume takes the one its checkpoint holds;
+    [`write_agreed_batch_size`] writes it into each checkpoint.
     """
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.agreed_batch_sizes = None  # every rank's largest batch, when agree_on_batch_size ran
 
-    def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs):
-        if self.args.auto_find_batch_size:
-            saved = os.path.join(resume_from_checkpoint or "", AUTO_BATCH_FILE)
-            if isinstance(resume_from_checkpoint, str) and os.path.isfile(saved):
-                with open(saved) as f:  # the batch the interrupted run agreed on, so the resume is exact
-                    self.apply_batch_size(**json.load(f))
-            else:
-                self.agree_on_batch_size()
-        return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
+    def settle_batch_size(self, resume_from_checkpoint: str | None) -> None:
+        """At `train`, with `--auto_find_batch_size`: the batch the resumed checkpoint holds, or the one every rank
+        agrees on ([`agree_on_batch_size`])."""
+        if not self.args.auto_find_batch_size:
+            return
+        saved = os.path.join(resume_from_checkpoint or "", AUTO_BATCH_FILE)
+        if resume_from_checkpoint is not None and os.path.isfile(saved):
+            with open(saved) as f:  # the batch the interrupted run agreed on, so the resume is exact
+                self.apply_batch_size(**json.load(f))
+        else:
+            self.agree_on_batch_size()
 
     def try_batch_size(self, batch_size: int) -> bool:
         """
@@ -56,6 +57,8 @@ class AgreedBatchSizeMixin:
 
         rows = [self.train_dataset[i % len(self.train_dataset)] for i in range(batch_size)]
         inputs = self._prepare_inputs(self.data_collator(rows))
+        if self.is_pretraining(self.model):  # the other ranks are measuring too: no collective (the ITC gather)
+            inputs["loss_fn"] = MMFusionPretrainingLoss()
         cpu_rng = torch.get_rng_state()
         accelerator_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
         if not hasattr(self, "current_gradient_accumulation_steps"):
@@ -66,10 +69,9 @@ class AgreedBatchSizeMixin:
             trained = [p for p in self.model.parameters() if p.requires_grad]
             optimizer_state.extend(torch.empty_like(p) for p in trained for _ in range(copies))
             self.model.train()
-            with local_only():  # the other ranks are measuring too: no collective (the contrastive gather)
-                with self.accelerator.autocast(), self.compute_loss_context_manager():  # as training_step's forward
-                    loss = self.compute_loss(self.model, inputs)
-                loss.backward()
+            with self.accelerator.autocast(), self.compute_loss_context_manager():  # as training_step's forward
+                loss = self.compute_loss(self.model, inputs)
+            loss.backward()
             return True
         except Exception as err:
             if isinstance(err, torch.OutOfMemoryError) or should_reduce_batch_size(err):
@@ -124,11 +126,10 @@ class AgreedBatchSizeMixin:
         args.auto_find_batch_size = False  # Trainer's own per-process search would let the ranks drift apart again
         self.agreed_batch_sizes = found
 
-    def _save_checkpoint(self, model, trial):
+    def write_agreed_batch_size(self, folder: str) -> None:
+        """The agreed batch, into the checkpoint `folder`, for a resumed run to take as it is."""
         if self.args.should_save and self.agreed_batch_sizes is not None:
-            folder = checkpoint_folder(self, trial)
             batch = {"per_device": self.args.per_device_train_batch_size,
                      "accumulation": self.args.gradient_accumulation_steps}  # fmt: skip
             with open(os.path.join(folder, AUTO_BATCH_FILE), "w") as f:
                 json.dump({**batch, "found": self.agreed_batch_sizes}, f)
-        super()._save_checkpoint(model, trial)

@@ -14,7 +14,7 @@ import torch
 from safetensors import safe_open
 from transformers import PreTrainedModel
 from transformers.trainer_pt_utils import safe_globals
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, sort_checkpoints
+from transformers.trainer_utils import sort_checkpoints
 
 
 logger = logging.getLogger(__name__)
@@ -165,14 +165,6 @@ def load_checkpoint_weights(model: PreTrainedModel, checkpoint: str | os.PathLik
 LOSS_TOTAL_FILE = "train_loss_total.json"
 
 
-def checkpoint_folder(trainer, trial=None) -> str:
-    """The folder of the checkpoint `trainer` is saving now, made if need be: for the files a unit writes into it
-    before Trainer's own, so that `trainer_state.json` stays the last file written (see [`checkpoint_problem`])."""
-    folder = os.path.join(trainer._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{trainer.state.global_step}")
-    os.makedirs(folder, exist_ok=True)
-    return folder
-
-
 def is_peft_model(model) -> bool:
     """A LoRA run's model (`--lora`): its checkpoints hold the adapter only, which Trainer's own loader reads."""
     try:
@@ -208,11 +200,10 @@ class ExactLoadingMixin:
 
 class ResumedLossMixin:
     """
-    Trainer mixin: after a resume, `train_loss` is the mean over every step of the run, not only the resumed ones.
-    `_save_checkpoint` writes the run's loss total so far into the checkpoint (before Trainer's own files, so that
-    `trainer_state.json` stays the last file written: `on_save` comes after it), `train` reads it back, and `log`
-    corrects the final `train_loss`. The total is read from Trainer's running sums (`_total_loss_scalar`, `_tr_loss`),
-    which no public attribute exposes.
+    Trainer unit: after a resume, `train_loss` is the mean over every step of the run, not only the resumed ones.
+    [`write_loss_total`] writes the run's loss total so far into each checkpoint, [`read_resumed_loss`] (at `train`)
+    reads it back, and [`correct_train_loss`] (at `log`) corrects the final `train_loss`. The total is read from
+    Trainer's running sums (`_total_loss_scalar`, `_tr_loss`), which no public attribute exposes.
     """
 
     def __init__(self, *args, **kwargs):
@@ -220,47 +211,40 @@ class ResumedLossMixin:
         self.resumed_from_step = None  # the global step of the checkpoint a run resumed from
         self._resumed_loss_sum = None  # and its summed step losses
 
-    def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs):
+    def read_resumed_loss(self, resume_from_checkpoint: str | None) -> None:
         self.resumed_from_step = self._resumed_loss_sum = None
-        if isinstance(resume_from_checkpoint, str):
-            with open(os.path.join(resume_from_checkpoint, "trainer_state.json")) as f:
-                self.resumed_from_step = json.load(f)["global_step"]
-            path = os.path.join(resume_from_checkpoint, LOSS_TOTAL_FILE)
-            if os.path.isfile(path):  # absent from checkpoints of other trainers: Trainer's figure then
-                with open(path) as f:
-                    self._resumed_loss_sum = float(json.load(f)["train_loss_sum"])
-        return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
+        if resume_from_checkpoint is None:
+            return
+        with open(os.path.join(resume_from_checkpoint, "trainer_state.json")) as f:
+            self.resumed_from_step = json.load(f)["global_step"]
+        path = os.path.join(resume_from_checkpoint, LOSS_TOTAL_FILE)
+        if os.path.isfile(path):  # absent from checkpoints of other trainers: Trainer's figure then
+            with open(path) as f:
+                self._resumed_loss_sum = float(json.load(f)["train_loss_sum"])
 
-    def _save_checkpoint(self, model, trial):
+    def write_loss_total(self, folder: str) -> None:
         if self.args.should_save:
             # Trainer drains the losses of logged steps into `_total_loss_scalar`; `_tr_loss` holds the rest.
             total = (self._resumed_loss_sum or 0.0) + self._total_loss_scalar + self._tr_loss.item()
-            with open(os.path.join(checkpoint_folder(self, trial), LOSS_TOTAL_FILE), "w") as f:
+            with open(os.path.join(folder, LOSS_TOTAL_FILE), "w") as f:
                 json.dump({"train_loss_sum": total, "global_step": self.state.global_step}, f)
-        super()._save_checkpoint(model, trial)
 
-    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+    def correct_train_loss(self, logs: dict[str, float]) -> None:
         if "train_loss" in logs and self._resumed_loss_sum is not None:
             # In place: the same dict is `train()`'s returned metrics.
             steps = self.state.global_step - self.resumed_from_step  # this session's, which Trainer averaged over
             logs["train_loss"] = (self._resumed_loss_sum + logs["train_loss"] * steps) / max(self.state.global_step, 1)
-        super().log(logs, start_time)
 
 
-class SaveOnEachNodeMixin:
+def save_on_every_node(model) -> None:
     """
-    Trainer mixin for `save_on_each_node`: the local main process of every node writes the weights and config too.
-    transformers 5.23's `save_pretrained` writes them on global rank 0 only, whatever `is_main_process` says, which
-    would leave the checkpoints on the other nodes' disks without weights to resume from. `_save` is where Trainer
-    calls it; the model's public `should_save_on_this_rank` is answered for this one call.
+    For `save_on_each_node`: the local main process of every node writes the weights and config too. transformers
+    5.23's `save_pretrained` writes them on global rank 0 only, whatever `is_main_process` says, which would leave the
+    checkpoints on the other nodes' disks without weights to resume from: the model's public `should_save_on_this_rank`
+    is made to follow `is_main_process` (Trainer passes its `should_save`, true on each node's local main process).
     """
+    model.should_save_on_this_rank = _follow_is_main_process
 
-    def _save(self, output_dir: str | None = None, state_dict=None):
-        model = self.accelerator.unwrap_model(self.model, keep_torch_compile=False)
-        if not (self.args.save_on_each_node and self.args.should_save and self.args.process_index != 0):
-            return super()._save(output_dir, state_dict)
-        model.should_save_on_this_rank = lambda is_main_process: is_main_process
-        try:
-            return super()._save(output_dir, state_dict)
-        finally:
-            del model.should_save_on_this_rank
+
+def _follow_is_main_process(is_main_process: bool) -> bool:
+    return is_main_process

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from transformers.utils import logging
 
-from ..distributed import all_gather_with_grad, gather_sizes, world
+from ..modeling_mm_fusion import MMFusionPretrainingLoss
 from .pretraining import PretrainingLossMixin
 
 
@@ -79,11 +79,11 @@ class ITCGradCache:
         self.rng_states[index].restore()
 
 
-def gather_embeddings(x: torch.Tensor) -> tuple[torch.Tensor, int]:
+def gather_embeddings(x: torch.Tensor, loss_fn: MMFusionPretrainingLoss) -> tuple[torch.Tensor, int]:
     """Every rank's rows of `x` (numbers of rows may differ), without gradient, and this rank's offset into them."""
-    rows = [n for (n,) in gather_sizes(x)]
+    rows = [n for (n,) in loss_fn.sizes(x)]
     with torch.no_grad():
-        return all_gather_with_grad(x, rows), sum(rows[: world()[1]])
+        return loss_fn.gather(x, rows), sum(rows[: loss_fn.rank])
 
 
 @torch.no_grad()
@@ -93,13 +93,17 @@ def embed(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
     return F.normalize(encoded.image_embeds, dim=-1), F.normalize(encoded.text_embeds, dim=-1)
 
 
-def build_itc_cache(model, batches: Sequence[dict], autocast: Callable | None = None) -> ITCGradCache:
+def build_itc_cache(
+    model, batches: Sequence[dict], autocast: Callable | None = None, loss_fn: MMFusionPretrainingLoss | None = None
+) -> ITCGradCache:
     """
     Step 1 for the micro-batches of one optimizer step on this rank (`model`: the unwrapped `MMFusionForPretraining`,
     in the mode it trains in): their embeddings without gradient, the full-batch ITC loss over every rank's, and its
     gradients. Every rank must call it with the same number of micro-batches. `autocast`: a context-manager factory
-    for the no-grad passes (the one the training forward runs under).
+    for the no-grad passes (the one the training forward runs under). `loss_fn`: the ranks to contrast across
+    (default: those of the default process group).
     """
+    loss_fn = MMFusionPretrainingLoss.from_process_group() if loss_fn is None else loss_fn
     device = next(model.parameters()).device
     rng_states, image_embeds, text_embeds = [], [], []
     for batch in batches:
@@ -112,8 +116,8 @@ def build_itc_cache(model, batches: Sequence[dict], autocast: Callable | None = 
         image_embeds.append(image.float())
         text_embeds.append(text.float())
     sizes = [len(x) for x in image_embeds]
-    all_images, offset = gather_embeddings(torch.cat(image_embeds))
-    all_texts, _ = gather_embeddings(torch.cat(text_embeds))
+    all_images, offset = gather_embeddings(torch.cat(image_embeds), loss_fn)
+    all_texts, _ = gather_embeddings(torch.cat(text_embeds), loss_fn)
     all_images.requires_grad_(True)
     all_texts.requires_grad_(True)
     inputs = [all_images, all_texts]
@@ -130,7 +134,7 @@ def build_itc_cache(model, batches: Sequence[dict], autocast: Callable | None = 
         logit_scale_grad=grads[2] if scale is not None else None,
         rng_states=rng_states,
         itc_loss=loss.detach(),
-        world_size=world()[0],
+        world_size=loss_fn.world_size,
     )
 
 
@@ -159,20 +163,23 @@ def cached_micro_batch_loss(model, outputs, cache: ITCGradCache, index: int) -> 
     return surrogate, logged
 
 
-def train_window(model, batches: Sequence[dict], backward: Callable | None = None) -> torch.Tensor:
+def train_window(
+    model, batches: Sequence[dict], backward: Callable | None = None, loss_fn: MMFusionPretrainingLoss | None = None
+) -> torch.Tensor:
     """
     Without a Trainer: accumulate into `.grad` the gradients of one optimizer step over `batches` (this rank's
     micro-batches) with the gradient cache, back-propagating each micro-batch in turn. `model` is the (unwrapped)
     `MMFusionForPretraining`; `backward` defaults to `Tensor.backward`. Returns the loss to log (summed over
     micro-batches). Across ranks, average the gradients afterwards (or run it on a DDP-wrapped model's module under
-    the usual `no_sync`).
+    the usual `no_sync`). `loss_fn`: the ranks to contrast across (default: those of the default process group).
     """
     backward = backward or torch.Tensor.backward
-    cache = build_itc_cache(model, batches)
+    loss_fn = MMFusionPretrainingLoss.from_process_group() if loss_fn is None else loss_fn
+    cache = build_itc_cache(model, batches, loss_fn=loss_fn)
     total = torch.zeros((), device=cache.itc_loss.device)
     for index, batch in enumerate(batches):
         cache.restore_rng(index)
-        outputs = model(**batch, return_loss=True)
+        outputs = model(**batch, return_loss=True, loss_fn=loss_fn)
         surrogate, logged = cached_micro_batch_loss(model, outputs, cache, index)
         del outputs
         backward(surrogate)
@@ -236,12 +243,14 @@ class GradCacheMixin(PretrainingLossMixin):
         if self._itc_cache is None:  # the step's first micro-batch: embed them all without gradient
             batches = [self._prepare_inputs(batch) for batch in self._window]
             with self.compute_loss_context_manager():
-                self._itc_cache = build_itc_cache(unwrapped, batches, autocast=self.accelerator.autocast)
+                self._itc_cache = build_itc_cache(
+                    unwrapped, batches, autocast=self.accelerator.autocast, loss_fn=self.pretraining_loss
+                )
         cache = self._itc_cache
         inputs = self._prepare_inputs(inputs)
         cache.restore_rng(index)  # the same dropout masks as in the embedding pass
         with self.compute_loss_context_manager():
-            outputs = model(**inputs, return_loss=True)
+            outputs = model(**inputs, return_loss=True, loss_fn=self.pretraining_loss)
         surrogate, logged = cached_micro_batch_loss(unwrapped, outputs, cache, index)
         k = cache.num_micro_batches
         itm_loss = outputs.itm_loss / k if outputs.itm_loss is not None else None

@@ -135,15 +135,15 @@ class GroupedSamplingMixin:
     Trainer mixin for the training order: `group_by_image` (from [`MMFusionTrainingArguments`]) gives batches that
     hold the pairs of a few images ([`MMFusionImageGroupedSampler`]), which the collator delivers once each, and
     `train_sampling_strategy="group_by_length"` an order seeded by the epoch ([`MMFusionLengthGroupedSampler`]); the
-    epochs reach them through [`SamplerEpochCallback`]. `_get_train_sampler` is overridden because it is the one place
-    Trainer picks the training sampler.
+    epochs reach them through [`SamplerEpochCallback`]. [`grouped_train_sampler`] is the sampler Trainer's training
+    loader takes (see [`MMFusionTrainer.get_train_dataloader`]), or `None` for Trainer's own.
     """
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.add_callback(SamplerEpochCallback())
 
-    def _get_train_sampler(self, train_dataset=None):
+    def grouped_train_sampler(self, train_dataset=None):
         dataset = train_dataset if train_dataset is not None else self.train_dataset
         seed = self.args.data_seed or self.args.seed
 
@@ -157,4 +157,4 @@ class GroupedSamplingMixin:
         if self.args.train_sampling_strategy == "group_by_length" and length_column in dataset.column_names:
             batch_size = self.args.train_batch_size * self.args.gradient_accumulation_steps
             return MMFusionLengthGroupedSampler(batch_size, column(length_column), seed=seed)
-        return super()._get_train_sampler(train_dataset)
+        return None

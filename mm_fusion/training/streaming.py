@@ -16,7 +16,6 @@ from datasets import Dataset
 from ..data import ShuffledStream, StreamingCollator, prepare_stream, read_quarantine, split_by_rank, stream_source
 from ..data.streaming import StreamSource
 from .arguments import DataArguments, ModelArguments
-from .checkpoints import checkpoint_folder
 from .data import DataPath, TrainingData
 
 
@@ -144,12 +143,10 @@ STREAM_STATE_FILE = "stream_state_rank{rank}.json"
 
 class StreamingLoaderMixin:
     """
-    Trainer mixin for a training set that is a stream ([`ShuffledStream`]): `get_train_dataloader` gives a stateful
-    loader over this rank's part of the stream, `_save_checkpoint` writes each rank's loader state into the
-    checkpoint (before Trainer's own files: `on_save` comes after `trainer_state.json`, the sign of a complete
-    checkpoint), and `train` resumes from it (Trainer's own fast-forward would skip batches again).
-    `_init_training_state` ends a finished run that is resumed: Trainer counts a stream's epochs without end and would
-    take step max_steps + 1. Other training sets go through Trainer's own methods unchanged.
+    Trainer unit for a training set that is a stream ([`ShuffledStream`]): [`streaming_dataloader`] gives a stateful
+    loader over this rank's part of the stream, [`write_stream_state`] writes each rank's loader state into a
+    checkpoint, and [`resume_stream`] makes the loader start from it (Trainer's own fast-forward would skip batches
+    again). Other training sets go through Trainer's own loader.
     """
 
     def __init__(self, *args, **kwargs):
@@ -160,15 +157,18 @@ class StreamingLoaderMixin:
     def is_streaming(self) -> bool:
         return isinstance(self.train_dataset, ShuffledStream)
 
-    def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs):
-        self._stream_resume = resume_from_checkpoint if isinstance(resume_from_checkpoint, str) else None
+    def resume_stream(self, resume_from_checkpoint: str | None) -> None:
+        """At `train`: the checkpoint the stream resumes from (its saved state puts it where it was)."""
+        self._stream_resume = resume_from_checkpoint
         if self.is_streaming():
-            # The stream's saved state puts it where it was; Trainer's own fast-forward would skip batches again.
-            self.args.ignore_data_skip = True
-        return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
+            self.args.ignore_data_skip = True  # Trainer's own fast-forward would skip batches again
 
-    def get_train_dataloader(self):
-        return self.streaming_dataloader() if self.is_streaming() else super().get_train_dataloader()
+    def write_stream_state(self, folder: str) -> None:
+        """Every rank writes its own stream's state into the checkpoint `folder` (ranks read different shards)."""
+        if self.is_streaming() and self._stream_loader is not None:
+            with open(os.path.join(folder, STREAM_STATE_FILE.format(rank=self.args.process_index)), "w") as f:
+                json.dump(self._stream_loader.state_dict(), f)
+            self.accelerator.wait_for_everyone()
 
     def streaming_dataloader(self):
         """
@@ -211,21 +211,3 @@ class StreamingLoaderMixin:
                 loader.load_state_dict(json.load(f))
         self._stream_loader = loader
         return loader
-
-    def _save_checkpoint(self, model, trial):
-        if self.is_streaming() and self._stream_loader is not None:
-            # Every rank writes its own stream's state (ranks read different shards); then the main process goes on.
-            folder = checkpoint_folder(self, trial)
-            with open(os.path.join(folder, STREAM_STATE_FILE.format(rank=self.args.process_index)), "w") as f:
-                json.dump(self._stream_loader.state_dict(), f)
-            self.accelerator.wait_for_everyone()
-        super()._save_checkpoint(model, trial)
-
-    def _init_training_state(self, max_steps, num_update_steps_per_epoch, num_train_epochs, resume_from_checkpoint,
-                             trial):  # fmt: skip
-        values = super()._init_training_state(
-            max_steps, num_update_steps_per_epoch, num_train_epochs, resume_from_checkpoint, trial
-        )
-        if self.is_streaming() and resume_from_checkpoint is not None and self.state.global_step >= max_steps:
-            return num_train_epochs, 0  # a finished run resumed: no epoch left
-        return values

@@ -73,12 +73,12 @@ def main() -> None:
     if os.environ.get("MM_FUSION_DECODE_LOG"):
         count_decodes(os.environ["MM_FUSION_DECODE_LOG"])
     if task == "pretrain-local":
-        from mm_fusion import MMFusionForPretraining
+        from mm_fusion import MMFusionForPretraining, MMFusionPretrainingLoss
 
         # The control: ITC scores each rank's own pairs only (its features are not gathered).
         contrastive_logits = MMFusionForPretraining._contrastive_logits
-        MMFusionForPretraining._contrastive_logits = lambda self, image, text, gather: contrastive_logits(
-            self, image, text, False
+        MMFusionForPretraining._contrastive_logits = lambda self, image, text, loss_fn: contrastive_logits(
+            self, image, text, MMFusionPretrainingLoss()
         )
         task = "pretrain"
     lora = ["--lora", "--lora_parts", "vision,text,fusion", "--lora_r", "4"] if task == "vqa-lora" else []

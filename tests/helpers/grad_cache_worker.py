@@ -21,7 +21,7 @@ import torch
 from transformers import TrainerCallback
 
 from helpers.models import MMFusionModelTester
-from mm_fusion import MMFusionForPretraining
+from mm_fusion import MMFusionForPretraining, MMFusionPretrainingLoss
 from mm_fusion.training import MMFusionTrainer, MMFusionTrainingArguments
 
 
@@ -130,7 +130,7 @@ def itm_global_negatives(direction: str, world: int, rank: int) -> dict:
 
     model._hard_negatives = recording
     torch.manual_seed(123)
-    out = model(**shard, return_loss=True)
+    out = model(**shard, return_loss=True, loss_fn=MMFusionPretrainingLoss(rank=rank, world_size=world))
     out.itm_loss.backward()
     grads = {n: p.grad if p.grad is not None else torch.zeros_like(p) for n, p in model.named_parameters()}
     loss = out.itm_loss.detach().clone()
