@@ -173,11 +173,14 @@ class MMFusionConfig(PreTrainedConfig):
             For `"hierarchical"`: which vision tower hidden states (0 = embeddings, `num_hidden_layers` = last layer)
             feed the fusion layers, one per fusion layer. Defaults to the last `num_fusion_layers` layers. For a
             backbone / convolutional tower these are stages: `stage_names[i]` of a backbone (0 = its stem), or
-            `hidden_states[i]` of another convolutional model. Other fusion types read the last stage.
+            `hidden_states[i]` of another convolutional model. Only `"hierarchical"` reads them: the other fusion
+            types read the towers' final features (a feature-map tower's last stage) and raise an error when they are
+            set.
         text_bridge_layers (`list[int | str]`, *optional*):
             The same for the text tower (0 = its embeddings, word and position). An entry may also be `"words"`: the
             tower's word embeddings alone (`get_input_embeddings()`, no positions), so that each word's query is its
-            own wherever it stands and whatever the sentence around it (see `fusion_layer_order`).
+            own wherever it stands and whatever the sentence around it (see `fusion_layer_order`). `"hierarchical"`
+            only, as `vision_bridge_layers`.
         fusion_dropout (`float`, *optional*, defaults to 0.1):
             Dropout on the fusion layers' residual branches.
         fusion_attention_dropout (`float`, *optional*, defaults to 0.0):
@@ -534,8 +537,16 @@ class MMFusionConfig(PreTrainedConfig):
                 )
 
     def _bridge_layers(self, layers: list[int] | None, tower: PreTrainedConfig, role: str) -> list[int] | None:
-        """Resolve and check the tower layers (or feature-map stages) that feed the hierarchical bridges."""
+        """Resolve and check the tower layers (or feature-map stages) that feed the hierarchical bridges. Only
+        `"hierarchical"` fusion has them: the other fusion types leave them None and raise when they are set (their
+        saved configs hold None, as the default is never filled in for them)."""
         if self.fusion_type != "hierarchical":
+            if layers is not None:
+                raise ValueError(
+                    f"`{role}_bridge_layers` {layers} choose the tower layers that feed the hierarchical bridges, but "
+                    f"fusion_type {self.fusion_type!r} has none: it reads the towers' final features. Leave "
+                    f"`{role}_bridge_layers` unset, or use fusion_type 'hierarchical', which reads them."
+                )
             return None
         if role == "vision" and vision_tower_type(tower) != "transformer":
             num_layers = num_stages(tower) - 1  # stage indices run from 0 (the stem) to this

@@ -651,6 +651,36 @@ def test_error_bridge_layers(tester):
         tester.config(vision_bridge_layers=[1, 7])
 
 
+@pytest.mark.parametrize("fusion_type", ["cross_attention", "late"])
+@pytest.mark.parametrize(
+    "setting",
+    [
+        {"vision_bridge_layers": [1, 2]},
+        {"text_bridge_layers": ["words", 2]},
+        {"vision_bridge_layers": [1, 2], "vision_config": "resnet"},  # a backbone's stages: the last one is read
+    ],
+)
+def test_error_bridge_layers_without_hierarchical_fusion(tester, tmp_path, fusion_type, setting):
+    # Only hierarchical fusion has bridges: set for another fusion type, they were dropped without a word.
+    setting = dict(setting)
+    if setting.get("vision_config") == "resnet":
+        setting["vision_config"] = tester.resnet_config()
+    (name, layers), *_ = setting.items()
+    message = (
+        rf"`{name}` {re.escape(str(layers))} choose the tower layers that feed the hierarchical bridges, but "
+        rf"fusion_type '{fusion_type}' has none: .* Leave `{name}` unset, or use fusion_type 'hierarchical'"
+    )
+    with pytest.raises(ValueError, match=message):
+        tester.config(fusion_type, **setting)
+    # Unset they stay None, as configs of these types were always saved, and such a config loads.
+    config = tester.config(fusion_type, **{k: v for k, v in setting.items() if k != name})
+    assert (config.vision_bridge_layers, config.text_bridge_layers) == (None, None)
+    config.save_pretrained(tmp_path)
+    assert MMFusionConfig.from_pretrained(tmp_path).to_dict()[name] is None
+    # The layers as given are what hierarchical fusion reads.
+    assert getattr(tester.config("hierarchical", **setting), name) == layers
+
+
 def test_error_labels_out_of_range(tester):
     model = MMFusionForImageTextClassification(tester.config()).eval()
     inputs = tester.inputs()

@@ -97,6 +97,17 @@ class ImageTextCollator:
     ):
         if blank not in (None, "image", "text"):
             raise ValueError(f"blank must be None, 'image' or 'text', got {blank!r}.")
+        self.image_shape = self._attach_images(images)
+        self.pad_token_id = pad_token_id
+        self.pad_to_multiple_of = pad_to_multiple_of
+        self.share_images = share_images
+        self.image_transform = image_transform
+        self.check_alignment = check_alignment
+        self.blank = blank
+
+    def _attach_images(self, images: Dataset) -> tuple[int, ...]:
+        """Keep the images table the pairs' `image_index` points into, after checking its columns, and return the
+        shape of one of its images."""
         self.encoded = "image_bytes" in images.column_names  # a JPEG / WebP images table (`image_format`)
         missing = {"image_key", "image_bytes" if self.encoded else "pixel_values"} - set(images.column_names)
         if missing:
@@ -109,15 +120,8 @@ class ImageTextCollator:
             if len(images) == 0:
                 raise ValueError("`images` (an encoded images table) has no rows: there is no image to train on.")
             first = decode_pixels(self.images[:1].column("image_bytes")[0].as_py(), 0, "encoded")
-            self.image_shape = tuple(first.shape)
-        else:
-            self.image_shape = tuple(images.features["pixel_values"].shape)
-        self.pad_token_id = pad_token_id
-        self.pad_to_multiple_of = pad_to_multiple_of
-        self.share_images = share_images
-        self.image_transform = image_transform
-        self.check_alignment = check_alignment
-        self.blank = blank
+            return tuple(first.shape)
+        return tuple(images.features["pixel_values"].shape)
 
     def __call__(self, features: list[dict[str, Any]]) -> dict[str, Any]:
         if not features:
@@ -251,19 +255,24 @@ class StreamingCollator(ImageTextCollator):
         check_alignment: bool = True,
         blank: str | None = None,
     ):
-        if blank not in (None, "image", "text"):
-            raise ValueError(f"blank must be None, 'image' or 'text', got {blank!r}.")
-        if image_format not in IMAGE_FORMATS:
-            raise ValueError(f"image_format must be one of {IMAGE_FORMATS}, got {image_format!r}.")
         self.image_size = image_size
         self.image_format = image_format
-        self.image_shape = (3, image_size, image_size)
-        self.pad_token_id = pad_token_id
-        self.pad_to_multiple_of = pad_to_multiple_of
-        self.share_images = False
-        self.image_transform = image_transform
-        self.check_alignment = check_alignment
-        self.blank = blank
+        # One image per pair, each its own: nothing to share.
+        super().__init__(
+            None,
+            pad_token_id=pad_token_id,
+            pad_to_multiple_of=pad_to_multiple_of,
+            share_images=False,
+            image_transform=image_transform,
+            check_alignment=check_alignment,
+            blank=blank,
+        )
+
+    def _attach_images(self, images: Dataset | None) -> tuple[int, ...]:
+        """No images table (`images` is None): every pair brings its image's bytes, decoded at `image_size`."""
+        if self.image_format not in IMAGE_FORMATS:
+            raise ValueError(f"image_format must be one of {IMAGE_FORMATS}, got {self.image_format!r}.")
+        return (3, self.image_size, self.image_size)
 
     def __call__(self, features: list[dict[str, Any]]) -> dict[str, Any]:
         if not features:
