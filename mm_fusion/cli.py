@@ -1,6 +1,32 @@
-"""The argument parser of the scripts: a mistyped or repeated option is a one-line `error:` that names it."""
+"""
+The argument parser of the scripts and of the `python -m mm_fusion.*` commands (also console scripts, `mm-fusion-*`):
+a mistyped or repeated option, a missing argument or a failure is a one-line `error:` that names it.
 
+The commands follow one pattern (`mm_fusion/export.py`, `lora.py`, `convert_mobilenet_v2.py`):
+
+    @dataclass
+    class ExportArguments:
+        model_dir: str = field(metadata={"positional": True, "help": "..."})
+        atol: float = field(default=1e-4, metadata={"help": "..."})
+
+    def main(argv: list[str] | None = None) -> int:
+        parser = ScriptArgumentParser(ExportArguments, prog=command_name("mm_fusion.export"), description="...")
+        (args,) = parser.parse_command_line(argv)
+        try:
+            ...
+        except (FileNotFoundError, ValueError, ImportError) as error:
+            parser.fail(error)  # one line, exit status 1
+        return 0
+
+    if __name__ == "__main__":
+        sys.exit(main())
+
+Usage errors exit with status 2, as argparse's; a failure of the command itself with status 1; success returns 0.
+"""
+
+import dataclasses
 import difflib
+import os
 import sys
 
 from transformers import HfArgumentParser
@@ -18,14 +44,37 @@ class ScriptArgumentParser(HfArgumentParser):
 
     Unknown arguments are an error even through `parse_known_args` (which `HfArgumentParser` parses with), so nothing
     is left over for `return_remaining_strings`.
+
+    A dataclass field with `metadata={"positional": True}` is a positional argument (`MODEL_DIR OUT_DIR`), which
+    `HfArgumentParser` has no way to declare (every field is an `--option`); optional when the field has a default.
     """
 
     def __init__(self, *args, **kwargs):
         kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
 
+    @staticmethod
+    def _parse_dataclass_field(parser, field: dataclasses.Field):
+        if not field.metadata.get("positional"):
+            return HfArgumentParser._parse_dataclass_field(parser, field)
+        kwargs = {key: value for key, value in field.metadata.items() if key != "positional"}
+        if field.default is not dataclasses.MISSING:
+            kwargs.update(nargs="?", default=field.default)
+        parser.add_argument(field.name, type=field.type, **kwargs)
+
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message}\n")
+
+    def fail(self, error: BaseException | str, status: int = 1):
+        """Exit with `status` and one line `PROG: error: ...` for a failure of the command itself (not of its
+        command line): a missing model, weights that do not fit, a package to install."""
+        self.exit(status, f"{self.prog}: error: {' '.join(str(error).split()) or type(error).__name__}\n")
+
+    def parse_command_line(self, argv: list[str] | None = None) -> tuple:
+        """The dataclasses of the command line `argv` (default: `sys.argv[1:]`), each option given once."""
+        argv = sys.argv[1:] if argv is None else list(argv)
+        self.refuse_repeats(argv)
+        return self.parse_args_into_dataclasses(args=argv)
 
     def parse_known_args(self, args=None, namespace=None):
         namespace, remaining = super().parse_known_args(args, namespace)
@@ -67,4 +116,11 @@ class ScriptArgumentParser(HfArgumentParser):
                 self.error(f"{option} was given {len(values)} times ({given}); {hint}.")
 
 
-__all__ = ["ScriptArgumentParser"]
+def command_name(module: str) -> str:
+    """How the running command was typed, for its usage and error lines: the console script's name when it runs as
+    one (`mm-fusion-export`), else `python -m <module>`."""
+    name = os.path.basename(sys.argv[0]) if sys.argv else ""
+    return name if name.startswith("mm-fusion-") else f"python -m {module}"
+
+
+__all__ = ["ScriptArgumentParser", "command_name"]

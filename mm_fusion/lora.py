@@ -29,15 +29,17 @@ fine-tuning's (scripts/benchmarks/README.md, `benchmark_lora_memory.py`).
 A run's `--output_dir` holds the model it started from (`config.json`, `model.safetensors`, the processor and code)
 and the adapter beside it (`adapter_config.json`, `adapter_model.safetensors`): `from_pretrained` and `pipeline(...)`
 load the two together (transformers' peft integration), and [`merge_lora`] folds the adapter into the weights
-(`python -m mm_fusion.lora MODEL_DIR OUT_DIR`).
+(`python -m mm_fusion.lora MODEL_DIR OUT_DIR`, or `mm-fusion-merge-lora MODEL_DIR OUT_DIR`).
 """
 
-import argparse
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from torch import nn
+
+from .cli import ScriptArgumentParser, command_name
 
 
 LORA_PARTS = ("vision", "text", "fusion")
@@ -157,6 +159,8 @@ def merge_lora(model_dir: str | Path):
     adapted model's outputs, no peft needed to serve it."""
     from peft import PeftModel
 
+    if not Path(model_dir).is_dir():
+        raise FileNotFoundError(f"There is no directory at {model_dir} ({Path(model_dir).absolute()}).")
     if not has_adapter(model_dir):
         raise FileNotFoundError(f"{model_dir} has no LoRA adapter ({', '.join(ADAPTER_FILES)}).")
     base = starting_model(model_dir).eval()
@@ -164,20 +168,24 @@ def merge_lora(model_dir: str | Path):
         return PeftModel.from_pretrained(base, model_dir).merge_and_unload()
 
 
+@dataclass
+class MergeArguments:
+    model_dir: str = field(metadata={"positional": True, "help": "A directory scripts/train.py --lora saved."})
+    out_dir: str = field(metadata={"positional": True, "help": "Where to save the merged model."})
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m mm_fusion.lora",
+    parser = ScriptArgumentParser(
+        MergeArguments,
+        prog=command_name("mm_fusion.lora"),
         description="Fold a LoRA run's adapter (scripts/train.py --lora) into its model's weights and save the result "
         "with its processor: a plain MMFusion model.",
     )
-    parser.add_argument("model_dir", help="a directory scripts/train.py --lora saved")
-    parser.add_argument("out_dir", help="where to save the merged model")
-    args = parser.parse_args(argv)
+    (args,) = parser.parse_command_line(argv)
     try:
         merged = merge_lora(args.model_dir)
-    except (FileNotFoundError, ValueError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 1
+    except (FileNotFoundError, ValueError, ImportError) as error:
+        parser.fail(error)
     from transformers import AutoProcessor
 
     merged.save_pretrained(args.out_dir)

@@ -25,8 +25,6 @@ from transformers import AutoConfig
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 from transformers.utils import ModelOutput
 
-from .export import CLASSIFICATION_GRAPHS, MANIFEST_NAME, PRETRAINING_GRAPHS
-
 
 class MMFusionOnnxModel:
     """
@@ -39,6 +37,10 @@ class MMFusionOnnxModel:
     hf_device_map = None
 
     def __init__(self, path: Path, config, manifest: dict, sessions: dict):
+        # Imported here, not when mm_fusion is: `python -m mm_fusion.export` would otherwise run a second copy of the
+        # module the package had already imported (and runpy warns of it on stderr).
+        from .export import CLASSIFICATION_GRAPHS, PRETRAINING_GRAPHS
+
         self.path, self.config, self.manifest, self.sessions = path, config, manifest, sessions
         self.graphs = {graph.name: graph for graph in (*CLASSIFICATION_GRAPHS, *PRETRAINING_GRAPHS)}
         scale = manifest.get("logit_scale")
@@ -47,6 +49,8 @@ class MMFusionOnnxModel:
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, providers: list[str] | None = None) -> "MMFusionOnnxModel":
         import onnxruntime
+
+        from .export import MANIFEST_NAME
 
         path = Path(path)
         manifest_path = path / MANIFEST_NAME

@@ -35,7 +35,12 @@ def main(argv: list[str] | None = None) -> dict:
     # 1. Parse: flags, or a YAML / JSON config file with flags after it overriding its values. Then the rules across
     #    the arguments: the launch is checked against this machine, the task's defaults are set, and
     #    `--resume_from_checkpoint last` becomes the newest complete checkpoint.
-    model_args, data_args, training_args = settle_arguments(*MMFusionArgumentParser().parse_args_and_config(argv))
+    #    A wrong option or value (a `--config_overrides` key included) is one `error:` line, before any data is read.
+    parser = MMFusionArgumentParser()
+    try:
+        model_args, data_args, training_args = settle_arguments(*parser.parse_args_and_config(argv))
+    except (ValueError, FileNotFoundError) as err:
+        parser.fail(err, status=2)
 
     # 2. Data: the pairs, their columns and evaluation set checked, their labels encoded.
     data = load_training_data(model_args, data_args, training_args)

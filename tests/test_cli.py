@@ -1,10 +1,17 @@
-"""What the scripts' command lines do with a mistake, decided without the hub: model paths (`check_model_path`),
-mistyped and repeated options (`ScriptArgumentParser`), and the launch command a model card records."""
+"""What the scripts' command lines do with a mistake: model paths (`check_model_path`, at once without the hub, and in
+one short request to it), mistyped and repeated options (`ScriptArgumentParser`), the console scripts, and the
+launch command a model card records."""
 
 import dataclasses
+import http.server
+import importlib
+import inspect
 import os
+import socket
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import huggingface_hub
@@ -26,23 +33,20 @@ def no_hub(monkeypatch):
         raise AssertionError("the hub was asked")
 
     monkeypatch.setattr(huggingface_hub, "is_offline_mode", lambda: False)
-    for name in ("hf_hub_download", "model_info", "try_to_load_from_cache"):
+    for name in ("hf_hub_download", "model_info", "try_to_load_from_cache", "get_hf_file_metadata"):
         monkeypatch.setattr(huggingface_hub, name, refuse)
 
 
-def test_a_model_path_that_names_nothing_is_refused_offline_and_a_hub_id_is_left_to_the_hub(
-    tmp_path, monkeypatch, no_hub
-):
+def test_a_model_path_that_names_nothing_is_refused_without_the_hub(tmp_path, monkeypatch, no_hub):
     """transformers takes any name that is not a local directory for a repo id: a mistyped `outputs/easy_vqa2` went to
-    the hub, 28 s of retries without a network. The check answers at once, and still lets a repo id through."""
+    the hub, 28 s of retries without a network. A name that is meant as a local path is answered at once, without
+    asking the hub or its cache (a repo id: test_a_repo_id_is_asked_of_the_hub_once_and_briefly)."""
     monkeypatch.chdir(tmp_path)
     (tmp_path / "outputs" / "easy_vqa").mkdir(parents=True)
     (tmp_path / "outputs" / "easy_vqa" / "config.json").write_text("{}")
     (tmp_path / "notes.txt").write_text("")
     check_model_path("outputs/easy_vqa")
     check_model_path(tmp_path / "outputs" / "easy_vqa")
-    check_model_path("google/vit-base-patch16-224")  # a repo id, online: the hub's to answer
-    check_model_path("bert-base-uncased")
     refused = {
         "outputs/easy_vqa2": "There is no model directory at outputs/easy_vqa2 (",  # `outputs/` is a local folder
         "./easy_vqa": "There is no model directory at ./easy_vqa",
@@ -51,6 +55,8 @@ def test_a_model_path_that_names_nothing_is_refused_offline_and_a_hub_id_is_left
         "outputs": "outputs is a directory but not a saved model: it has no config.json. The model directories in "
         "it: easy_vqa.",
         "notes.txt": "notes.txt is a file",
+        "~/no/such/model": "There is no model directory at ~/no/such/model",
+        "outputs/easy vqa": "There is no model directory at outputs/easy vqa",  # not a valid repo id
     }
     for name, message in refused.items():
         with pytest.raises(FileNotFoundError, match=None) as err:
@@ -68,6 +74,170 @@ def test_offline_a_repo_id_outside_the_hub_cache_is_refused(tmp_path, monkeypatc
         check_model_path("someone/some-model")
     monkeypatch.setattr(huggingface_hub, "try_to_load_from_cache", lambda repo, name: f"/cache/{repo}/{name}")
     check_model_path("someone/some-model")  # in the cache: transformers loads it offline
+
+
+class _FakeHub(http.server.BaseHTTPRequestHandler):
+    """The hub's answers to `HEAD /<repo>/resolve/main/config.json`, by repo; every request is counted."""
+
+    asked: list[str] = []
+    answers = {
+        "someone/model": (200, {"ETag": '"abc"', "X-Repo-Commit": "0" * 40, "Content-Length": "2"}),
+        "someone/no-config": (404, {"X-Error-Code": "EntryNotFound"}),
+        "someone/gated": (401, {"X-Error-Code": "GatedRepo"}),
+        "someone/broken": (500, {}),
+    }
+
+    def do_HEAD(self):
+        repo = self.path.split("/resolve/")[0].strip("/")
+        type(self).asked.append(repo)
+        status, headers = self.answers.get(repo, (404, {"X-Error-Code": "RepoNotFound"}))
+        self.send_response(status)
+        for key, value in {"Content-Length": "0", **headers}.items():
+            self.send_header(key, value)
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+def _closed_port() -> socket.socket:
+    """A socket bound to a local port and not listening: connecting to it is refused while it is open."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    return sock
+
+
+@pytest.fixture
+def hub_at(monkeypatch, tmp_path):
+    """Point the hub client at `endpoint` (online, with an empty cache) for the rest of the test."""
+
+    def point(endpoint: str) -> None:
+        monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", endpoint)
+        monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+        monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub-cache"))
+
+    monkeypatch.chdir(tmp_path)
+    return point
+
+
+def test_a_repo_id_is_asked_of_the_hub_once_and_briefly(hub_at, monkeypatch):
+    """A name that can be a repo id and is not in the hub cache: one request for its config.json, no retries. A model
+    the hub has passes, and so does an answer that is transformers' to explain (gated, a server error); a repo the hub
+    lacks, one without config.json, a hub that refuses the connection or does not answer are one line at once."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _FakeHub)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    _FakeHub.asked = []
+    endpoint = f"http://127.0.0.1:{server.server_address[1]}"
+    hub_at(endpoint)
+    try:
+        for name in ("someone/model", "someone/gated", "someone/broken"):
+            check_model_path(name)
+        refused = {
+            "someone/missing": f"Nor does the hub ({endpoint}) have a model of that name",
+            "easy_vqa": f"There is no model directory at easy_vqa ({Path.cwd() / 'easy_vqa'}). Nor does the hub",
+            "someone/no-config": "The hub's repo of that name (http://127.0.0.1:",
+        }
+        for name, message in refused.items():
+            with pytest.raises(FileNotFoundError) as err:
+                check_model_path(name)
+            assert message in str(err.value) and "\n" not in str(err.value), str(err.value)
+        assert sorted(_FakeHub.asked) == sorted(["someone/model", "someone/gated", "someone/broken", *refused])
+    finally:
+        server.shutdown()
+        server.server_close()
+
+    with _closed_port() as closed:
+        hub_at(f"http://127.0.0.1:{closed.getsockname()[1]}")
+        with pytest.raises(FileNotFoundError, match="cannot be reached: .*refused"):
+            check_model_path("someone/model")
+    with socket.socket() as silent:  # listening, never answering
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        hub_at(f"http://127.0.0.1:{silent.getsockname()[1]}")
+        monkeypatch.setenv("HF_HUB_ETAG_TIMEOUT", "0.5")
+        start = time.monotonic()
+        with pytest.raises(FileNotFoundError, match=r"cannot be reached: no answer within 0.5 s\.$"):
+            check_model_path("someone/model")
+        assert time.monotonic() - start < 5
+
+
+MISSING = "outputs/no-such-model"  # a valid repo id, and `outputs/` does not exist: only the hub could answer
+ENTRY_POINTS = {  # the command line, and its exit status for a missing model
+    "predict": (["scripts/predict.py", "--model", MISSING, "--image", "shape.png", "--question", "what?"], 2),
+    "demo": (["scripts/demo.py", MISSING], 1),
+    "visualize_attention": (
+        ["scripts/visualize_attention.py", "--model", MISSING, "--image", "shape.png", "--question", "what?"],
+        2,
+    ),
+    "export": (["-m", "mm_fusion.export", MISSING, "onnx"], 1),
+}
+
+
+@pytest.mark.parametrize("entry_point", list(ENTRY_POINTS))
+def test_a_model_neither_local_nor_reachable_on_the_hub_is_one_line_at_once(entry_point, tmp_path):
+    """Issue 55: with the hub unreachable and HF_HUB_OFFLINE unset, `--model outputs/no-such-model` took 35 s of
+    retries and ended in a traceback. Now one line naming it, as soon as the command has imported its libraries
+    (about 0.1 s after them; the bound is loose for a busy machine)."""
+    argv, status = ENTRY_POINTS[entry_point]
+    if argv[0].startswith("scripts/"):
+        argv = [str(ROOT / argv[0]), *argv[1:]]
+    (tmp_path / "shape.png").write_bytes(b"")
+    offline = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+    env = {key: value for key, value in os.environ.items() if key not in offline}
+    with _closed_port() as hub:
+        env.update(
+            HF_ENDPOINT=f"http://127.0.0.1:{hub.getsockname()[1]}",  # nothing leaves the machine
+            HF_HUB_CACHE=str(tmp_path / "hub-cache"),
+            PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+        )
+        start = time.monotonic()
+        done = subprocess.run(
+            [sys.executable, *argv], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+        )
+        elapsed = time.monotonic() - start
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == status and len(lines) == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert f"There is no model directory at {MISSING} (" in lines[0] and "cannot be reached" in lines[0], lines
+    assert elapsed < 20, f"{elapsed:.1f} s"
+
+
+CONSOLE_SCRIPTS = {
+    "mm_fusion.export": "mm-fusion-export",
+    "mm_fusion.lora": "mm-fusion-merge-lora",
+    "mm_fusion.convert_mobilenet_v2": "mm-fusion-convert-mobilenet-v2",
+    "mm_fusion.training.slurm": "mm-fusion-slurm-flags",
+}
+
+
+def test_console_scripts_run_the_python_m_commands(monkeypatch, capsys):
+    """Each `python -m mm_fusion.*` command is a console script of pyproject.toml, run as its wrapper runs it
+    (`sys.exit(main())`): `--help` exits 0 with a usage line under the script's name, and, for those with required
+    arguments, leaving them out is one `error:` line naming them, exit status 2."""
+    tomllib = pytest.importorskip("tomllib")
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    assert {target.split(":")[0]: name for name, target in scripts.items()} == CONSOLE_SCRIPTS
+    for name, target in scripts.items():
+        module, function = target.split(":")
+        main = getattr(importlib.import_module(module), function)
+        assert list(inspect.signature(main).parameters) == ["argv"], target
+        assert inspect.signature(main).parameters["argv"].default is None, target
+        monkeypatch.setattr(sys, "argv", [f"/venv/bin/{name}", "--help"])
+        with pytest.raises(SystemExit) as exited:
+            sys.exit(main())
+        out = capsys.readouterr().out
+        assert exited.value.code == 0 and out.startswith(f"usage: {name} "), out
+        installed = Path(sys.executable).with_name(name)
+        if installed.is_file():  # an environment installed with this pyproject.toml: the real wrapper too
+            done = subprocess.run([str(installed), "--help"], capture_output=True, text=True, timeout=120)
+            assert done.returncode == 0 and done.stdout.startswith(f"usage: {name} "), done.stderr[-2000:]
+        if module == "mm_fusion.training.slurm":  # no required arguments; its errors: tests/test_slurm.py
+            continue
+        monkeypatch.setattr(sys, "argv", [f"/venv/bin/{name}"])
+        with pytest.raises(SystemExit) as exited:
+            sys.exit(main())
+        err = capsys.readouterr().err
+        assert exited.value.code == 2 and err.count("\n") == 1, err
+        assert err.startswith(f"{name}: error: the following arguments are required: "), err
 
 
 @dataclasses.dataclass
@@ -130,3 +300,39 @@ def test_a_mistyped_flag_under_accelerate_launch_is_one_line(tmp_path):
                            capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)  # fmt: skip
     assert plain.returncode != 0 and expected in plain.stderr
     assert f'File "{script}"' not in plain.stderr and 'training/arguments.py"' not in plain.stderr  # none of ours
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("fusion_layerz=2", "'fusion_layerz' is not an MMFusionConfig setting; did you mean 'num_fusion_layers'?"),
+        ("num_fusion_layers=two", "Field 'num_fusion_layers' expected int, got str"),
+        ("fusion_type=lat", "Unknown fusion_type 'lat'"),
+    ],
+)
+def test_a_wrong_config_override_is_one_line_before_any_data_is_read(tmp_path, override, message):
+    """Issue 55: `--config_overrides` is checked with the other arguments. A mistyped key used to be taken silently
+    (an 8-minute run that ignored it) and a wrong value failed only after the data was read and the tokenizer
+    trained. Now: exit status 2, one `error:` line naming the key or value, and no output directory made."""
+    script = str(ROOT / "scripts" / "train.py")
+    out = tmp_path / "out"
+    started = time.perf_counter()
+    done = subprocess.run([sys.executable, script, "--output_dir", str(out), "--config_overrides", override],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=300)  # fmt: skip
+    seconds = time.perf_counter() - started
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert lines[0].startswith("train.py: error: --config_overrides") and message in lines[0], lines
+    assert not out.exists()
+    assert seconds < 60, seconds  # the interpreter's imports only (a loose bound: the machines are shared)
+
+
+def test_config_overrides_that_fit_pass_the_check_and_a_checkpoint_refuses_them(tmp_path):
+    from mm_fusion.training import parse_arguments
+
+    shipped = 'vision_bridge_layers=[3],text_bridge_layers=["words"],fusion_layer_order=cross_first,fusion_init=normal'
+    model_args = parse_arguments(["--output_dir", str(tmp_path), "--config_overrides", shipped])[0]
+    assert model_args.config_overrides == shipped
+    with pytest.raises(ValueError, match="--model_name_or_path .* brings its own: drop --config_overrides"):
+        parse_arguments(["--output_dir", str(tmp_path), "--model_name_or_path", str(tmp_path), "--config_overrides",
+                         "projection_dim=64"])  # fmt: skip

@@ -99,7 +99,7 @@ def test_served_adapter_gives_the_trained_models_outputs(lora_run):
     assert answers[0]["answer"] == trainer.model.config.id2label[int(trained[0].argmax())]
 
 
-def test_merged_model_equals_the_adapted_one(lora_run, tmp_path):
+def test_merged_model_equals_the_adapted_one(lora_run, tmp_path, capsys):
     trainer, out = lora_run
     batch = inputs(out)
     trained = logits(trainer.model, batch)
@@ -110,7 +110,11 @@ def test_merged_model_equals_the_adapted_one(lora_run, tmp_path):
     assert not (tmp_path / "merged" / "adapter_config.json").exists()
     served = pipeline("image-text-classification", model=str(tmp_path / "merged"))
     torch.testing.assert_close(logits(served.model, batch), trained, rtol=0, atol=1e-5)
-    assert lora_main([str(tmp_path / "merged"), str(tmp_path / "again")]) == 1  # no adapter there: one-line error
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exited:  # no adapter there: one-line error, exit status 1
+        lora_main([str(tmp_path / "merged"), str(tmp_path / "again")])
+    error = capsys.readouterr().err
+    assert exited.value.code == 1 and error.count("\n") == 1 and "merged has no LoRA adapter" in error, error
 
 
 def test_adapter_loads_with_remote_code_without_mm_fusion(lora_run, tmp_path):

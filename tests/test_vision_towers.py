@@ -392,7 +392,8 @@ def test_imagenet_mobilenet_v2_gives_torchvision_features_and_composes_with_mini
 
     state_dict = load_torchvision_state_dict()
     reference = torchvision_model(state_dict)
-    path = main([str(tmp_path / "mobilenet_v2")])
+    path = tmp_path / "mobilenet_v2"
+    assert main([str(path)]) == 0
     from transformers import MobileNetV2Model
 
     converted = MobileNetV2Model.from_pretrained(path).eval()

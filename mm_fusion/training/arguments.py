@@ -585,9 +585,13 @@ def settle_arguments(
     streaming run needs; `--lora`'s learning rate, gradient checkpointing (`--lora_gradient_checkpointing`) and
     allocator (`--release_freed_memory`); and
     the checkpoint to resume from, found and checked (`last`: the newest complete one).
-    Changes the arguments in place and returns them.
+    `--config_overrides` checked against MMFusionConfig; changes the arguments in place and returns them.
     """
     check_launch(training_args)
+    if model_args.config_overrides:
+        from .models import check_config_overrides  # models.py builds on this module
+
+        check_config_overrides(model_args, data_args.image_size, data_args.max_length)
     task = model_args.task
     if training_args.group_by_image is None and (data_args.streaming or training_args.batch_size_ramp_max):
         training_args.group_by_image = False

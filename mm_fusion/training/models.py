@@ -231,6 +231,42 @@ def build_config(
     return MMFusionConfig(**kwargs)
 
 
+# The keys `--config_overrides` may set: MMFusionConfig's fields, and the two settings `init_scheme` replaced, which it
+# still reads (its `__init__` takes any other keyword silently, as every `PreTrainedConfig` does).
+EARLIER_CONFIG_KEYS = ("fusion_init", "vision_film_init")
+
+
+def check_config_overrides(model_args: ModelArguments, image_size: int | None, max_length: int) -> dict:
+    """
+    `--config_overrides` parsed and checked with the other arguments, before any data is read: every key must be an
+    MMFusionConfig setting (the closest one is suggested), and the config of towers built from scratch must accept
+    the values (the settings a pretrained tower replaces are checked against it when it is loaded). Raises a one-line
+    `ValueError`; returns the overrides.
+    """
+    import dataclasses
+    import difflib
+
+    overrides = parse_overrides(model_args.config_overrides)
+    if overrides and model_args.model_name_or_path:
+        raise ValueError(
+            f"--config_overrides sets the config of a new model, but --model_name_or_path "
+            f"{model_args.model_name_or_path} brings its own: drop --config_overrides {model_args.config_overrides!r}."
+        )
+    known = sorted({f.name for f in dataclasses.fields(MMFusionConfig)} | set(EARLIER_CONFIG_KEYS))
+    for key in overrides:
+        if key not in known:
+            close = difflib.get_close_matches(key, known, n=1)
+            hint = f"did you mean {close[0]!r}?" if close else "MMFusionConfig's docstring lists them."
+            raise ValueError(f"--config_overrides: {key!r} is not an MMFusionConfig setting; {hint}")
+    labels = None if model_args.task == "pretrain" else ["a", "b"]
+    try:
+        build_config(model_args, image_size or 64, model_args.vocab_size, max_length, labels,
+                     leave_out=replaced_tower_settings(model_args))  # fmt: skip
+    except Exception as err:  # the config's own validation: a strict field's type, a value out of its range
+        raise ValueError(f"--config_overrides {model_args.config_overrides!r}: {' '.join(str(err).split())}") from None
+    return overrides
+
+
 # A convolutional tower's stages read the question by cross-attention, the layers outside the towers are drawn as
 # PyTorch draws them, and the tower's tokens enter the fusion without a second Linear: without all three the
 # cross-attention fusion learns which shapes and how many, but not where an object named by its colour is (results:

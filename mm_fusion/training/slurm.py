@@ -8,11 +8,13 @@ on every node:
 Run `python -m mm_fusion.training.slurm --help` for the options; it prints the flags on one line.
 """
 
-import argparse
 import os
 import re
 import sys
 from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from ..cli import ScriptArgumentParser, command_name
 
 
 def expand_hostlist(hostlist: str) -> list[str]:
@@ -87,18 +89,28 @@ def accelerate_flags(rendezvous: dict, multi_gpu: bool = True) -> list[str]:
     return flags + (["--multi_gpu"] if multi_gpu and rendezvous["num_processes"] > 1 else [])
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--processes_per_node", type=int, default=None, help="default: the node's GPUs, else 1")
-    parser.add_argument("--port", type=int, default=int(os.environ.get("MM_FUSION_MAIN_PORT", 29500)))
-    parser.add_argument("--cpu", action="store_true", help="CPU nodes: no --multi_gpu")
-    args = parser.parse_args(argv)
+@dataclass
+class SlurmArguments:
+    processes_per_node: int | None = field(default=None, metadata={"help": "Default: the node's GPUs, else 1."})
+    port: int = field(
+        default_factory=lambda: int(os.environ.get("MM_FUSION_MAIN_PORT", 29500)),
+        metadata={"help": "The main machine's port ($MM_FUSION_MAIN_PORT when set)."},
+    )
+    cpu: bool = field(default=False, metadata={"help": "CPU nodes: no --multi_gpu."})
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = ScriptArgumentParser(
+        SlurmArguments, prog=command_name("mm_fusion.training.slurm"), description=__doc__.split("\n\n")[0]
+    )
+    (args,) = parser.parse_command_line(argv)
     try:
         rendezvous = slurm_rendezvous(processes_per_node=args.processes_per_node, port=args.port)
     except ValueError as err:
-        sys.exit(str(err))
+        parser.fail(err)
     print(" ".join(accelerate_flags(rendezvous, multi_gpu=not args.cpu)))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
