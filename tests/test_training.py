@@ -60,6 +60,7 @@ def test_vqa_run_saves_a_loadable_model_with_its_card(tmp_path):
     assert f"| accuracy | {results['eval_accuracy']:.4f} |" in card
     assert "![training curves](training_curves.png)" in card and (out / "training_curves.png").stat().st_size > 1000
     assert "AutoModelForVisualQuestionAnswering.from_pretrained" in card and "transformers 5." in card
+    assert "(model preset `default`, `--model_config`)" in card  # where its settings come from
     check_card_front_matter(card, None, "image-text-classification")
     # The command that ran (set up in code here: its `python scripts/train.py` equivalent), two distinct questions of
     # the data in the example, and what the training set held (not steps x batch size).
@@ -875,3 +876,88 @@ def test_trainer_overrides_at_most_three_private_trainer_methods_and_train_once(
                   if callable(value) and hasattr(Trainer, name) and not name.startswith("__")]  # fmt: skip
     names = [name for name, _ in overridden]
     assert len(names) == len(set(names)), sorted(overridden)
+
+
+def test_the_default_preset_is_the_default_model_and_the_only_place_it_differs_from_the_library():
+    """Issue 55 §3: `ModelArguments`' defaults are the `default` preset's (`--help` shows them), and the config the
+    default run builds differs from `MMFusionConfig()` only where the arguments size the towers or the preset names
+    a setting: `vision_text_attention` is True in what train.py builds and False in the library, and the preset says
+    so."""
+    import dataclasses
+
+    from mm_fusion import MMFusionConfig
+    from mm_fusion.training import ModelArguments, build_config
+    from mm_fusion.training.model_presets import load_model_preset
+
+    preset = load_model_preset("default")
+    defaults = {f.name: f.default for f in dataclasses.fields(ModelArguments)}
+    assert {k: defaults[k] for k in preset["model"]} == preset["model"]
+    built = build_config(ModelArguments(), 64, 100, 32, ["a", "b"]).to_dict()
+    library = MMFusionConfig().to_dict()
+    # What the preset's `model` options (and the data's labels) set: the towers, the fusion's sizes and kinds.
+    sized = {"vision_config", "text_config", "fusion_type", "fusion_direction", "joint_pooling", "num_fusion_layers",
+             "fusion_hidden_size", "fusion_num_attention_heads", "fusion_intermediate_size", "fusion_dropout",
+             "classifier_dropout", "projection_dim", "itm_loss_weight", "vision_bridge_layers", "text_bridge_layers",
+             "id2label", "label2id"}  # fmt: skip
+    differ = {k for k in built.keys() | library.keys() if built.get(k) != library.get(k)} - sized
+    assert differ == set(preset["conv_tower_config"]), differ
+    assert {key: built[key] for key in differ} == preset["conv_tower_config"]
+
+
+def test_model_config_presets_set_defaults_that_flags_and_overrides_win_over(tmp_path):
+    from mm_fusion.training import ModelArguments, build_config, parse_arguments
+
+    def config(*argv):
+        model_args = parse_arguments(["--output_dir", str(tmp_path), *argv])[0]
+        return model_args, build_config(model_args, 64, 100, 32, ["a", "b"])
+
+    args, previous = config("--model_config", "previous_default")
+    assert args.fusion_layers == 2 and previous.num_fusion_layers == 2
+    assert (previous.vision_text_attention, previous.init_scheme, previous.feature_map_bridge) == (
+        False,
+        "normal",
+        True,
+    )
+    args, mine = config("--model_config", "previous_default", "--fusion_layers", "1", "--config_overrides",
+                        "feature_map_bridge=false")  # fmt: skip
+    assert mine.num_fusion_layers == 1 and mine.feature_map_bridge is False and mine.vision_text_attention is False
+    _, default = config()
+    assert default.to_dict() == build_config(ModelArguments(), 64, 100, 32, ["a", "b"]).to_dict()
+    assert default.vision_text_attention and default.num_fusion_layers == 1
+    own = tmp_path / "wide.yaml"
+    own.write_text("model:\n  hidden_size: 64\n  fusion_layers: 2\nconfig:\n  projection_dim: 32\n")
+    args, wide = config("--model_config", str(own))
+    assert (args.hidden_size, wide.num_fusion_layers, wide.projection_dim) == (64, 2, 32)
+    assert wide.vision_text_attention is False  # a preset without conv_tower_config: the library's default
+
+
+@pytest.mark.parametrize(
+    "preset, message",
+    [
+        ("no_such_preset", "neither a shipped preset \\(default, previous_default\\) nor a file"),
+        (
+            "model:\n  hidden_sise: 64\n",
+            "'hidden_sise' is not a model option of scripts/train.py. Did you mean 'hidden_size'",
+        ),
+        (
+            "config:\n  projection_dimm: 8\n",
+            "'projection_dimm' is not an MMFusionConfig setting; did you mean 'projection_dim'",
+        ),
+        (
+            "modle:\n  hidden_size: 64\n",
+            "a preset holds description, model, config, conv_tower_config; got \\['modle'\\]",
+        ),
+    ],
+)
+def test_a_wrong_model_config_is_one_line_before_any_data_is_read(tmp_path, capsys, preset, message):
+    from mm_fusion.training import parse_arguments
+
+    if "\n" in preset:
+        path = tmp_path / "preset.yaml"
+        path.write_text(preset)
+        preset = str(path)
+    with pytest.raises((SystemExit, ValueError)) as raised:
+        parse_arguments(["--output_dir", str(tmp_path / "out"), "--model_config", preset])
+    text = capsys.readouterr().err if raised.type is SystemExit else str(raised.value)
+    assert re.search(message, text) and len(text.strip().splitlines()) == 1, text
+    assert not (tmp_path / "out").exists()

@@ -18,6 +18,7 @@ from transformers import TrainingArguments
 from ..cli import ScriptArgumentParser
 from .checkpoints import resolve_resume_checkpoint
 from .launch import check_launch
+from .model_presets import DEFAULT_PRESET, load_model_preset, preset_names
 
 
 TASKS = ("vqa", "classify", "pretrain")
@@ -28,6 +29,8 @@ ABLATIONS = ("none", "image_only", "text_only")
 DEFAULT_LEARNING_RATE = 5e-4
 # The rate that won for LoRA on the composition (scripts/benchmarks/results/lora_composition.md).
 LORA_LEARNING_RATE = 1e-3
+# The default run's model: `ModelArguments`' defaults for the options it sets (mm_fusion/training/model_configs/).
+DEFAULT_MODEL = load_model_preset(DEFAULT_PRESET)["model"]
 
 
 def cpu_threads(requested: int | None, env=os.environ) -> int | None:
@@ -61,6 +64,15 @@ class ModelArguments:
             "contrastive (ITC) + matching (ITM) pretraining, evaluated by retrieval Recall@K."
         },
     )
+    model_config: str = field(
+        default=DEFAULT_PRESET,
+        metadata={
+            "help": f"A model preset: {', '.join(preset_names())} (mm_fusion/training/model_configs/), or a JSON / "
+            "YAML file of the same form. Its `model` values are the defaults of the options of those names (flags "
+            "win), its `config` / `conv_tower_config` MMFusionConfig settings (--config_overrides win). The defaults "
+            f"shown below are {DEFAULT_PRESET!r}'s, the default run's model."
+        },
+    )
     model_name_or_path: str | None = field(
         default=None, metadata={"help": "An MMFusion checkpoint (directory or hub id) to start from."}
     )
@@ -75,16 +87,18 @@ class ModelArguments:
         metadata={"help": "Tokenizer to use. By default: the text tower's, or one trained on the training texts."},
     )
     vocab_size: int = field(default=8000, metadata={"help": "Upper bound of a tokenizer trained on the texts."})
-    fusion_type: str = field(default="hierarchical", metadata={"help": "hierarchical, cross_attention or late."})
+    fusion_type: str = field(
+        default=DEFAULT_MODEL["fusion_type"], metadata={"help": "hierarchical, cross_attention or late."}
+    )
     fusion_direction: str = field(
-        default="text_to_image",
+        default=DEFAULT_MODEL["fusion_direction"],
         metadata={
             "help": "text_to_image (image keys / values computed once per image and shared by its texts: with "
             "batches grouped by image, the fusion then costs a fraction) or bidirectional (co-attention)."
         },
     )
     vision_tower: str = field(
-        default="resnet",
+        default=DEFAULT_MODEL["vision_tower"],
         metadata={
             "help": (
                 "The vision tower built from scratch: resnet or convnext (a backbone of --vision_widths stages whose "
@@ -94,16 +108,28 @@ class ModelArguments:
         },
     )
     vision_widths: str = field(
-        default="24,48,96",
+        default=DEFAULT_MODEL["vision_widths"],
         metadata={"help": "resnet / convnext: the channels of each stage, comma-separated (one stage each)."},
     )
-    vision_depth: int = field(default=1, metadata={"help": "resnet / convnext: blocks per stage."})
-    hidden_size: int = field(default=96, metadata={"help": "Width of towers built from scratch and of the fusion."})
-    num_attention_heads: int = field(default=4, metadata={"help": "Attention heads of towers built from scratch."})
-    vision_layers: int = field(default=4, metadata={"help": "Layers of a vision tower built from scratch."})
-    text_layers: int = field(default=2, metadata={"help": "Layers of a text tower built from scratch."})
+    vision_depth: int = field(
+        default=DEFAULT_MODEL["vision_depth"], metadata={"help": "resnet / convnext: blocks per stage."}
+    )
+    hidden_size: int = field(
+        default=DEFAULT_MODEL["hidden_size"],
+        metadata={"help": "Width of towers built from scratch and of the fusion."},
+    )
+    num_attention_heads: int = field(
+        default=DEFAULT_MODEL["num_attention_heads"],
+        metadata={"help": "Attention heads of towers built from scratch."},
+    )
+    vision_layers: int = field(
+        default=DEFAULT_MODEL["vision_layers"], metadata={"help": "Layers of a vision tower built from scratch."}
+    )
+    text_layers: int = field(
+        default=DEFAULT_MODEL["text_layers"], metadata={"help": "Layers of a text tower built from scratch."}
+    )
     fusion_layers: int = field(
-        default=1,
+        default=DEFAULT_MODEL["fusion_layers"],
         metadata={
             "help": "Co-attention layers (ignored by late fusion). The default model's one layer reads the tower's "
             "last stage: its steps took 0.84x the time of two layers', and on easy-VQA its yes / no colour questions "
@@ -112,7 +138,7 @@ class ModelArguments:
         },
     )
     joint_pooling: str = field(
-        default="concat_product",
+        default=DEFAULT_MODEL["joint_pooling"],
         metadata={
             "help": "What the head reads after cross-attention fusion: concat_product (pooled text, pooled image and "
             "their product, a direct interaction term for the head), concat, or text (the pooled text stream alone: "
@@ -120,11 +146,15 @@ class ModelArguments:
         },
     )
     mlp_ratio: int = field(
-        default=2,
+        default=DEFAULT_MODEL["mlp_ratio"],
         metadata={"help": "Feed-forward width of towers built from scratch and of the fusion, x hidden_size."},
     )
-    patch_size: int = field(default=8, metadata={"help": "Patch size of a vision tower built from scratch."})
-    dropout: float = field(default=0.0, metadata={"help": "Dropout of towers built from scratch and of the fusion."})
+    patch_size: int = field(
+        default=DEFAULT_MODEL["patch_size"], metadata={"help": "Patch size of a vision tower built from scratch."}
+    )
+    dropout: float = field(
+        default=DEFAULT_MODEL["dropout"], metadata={"help": "Dropout of towers built from scratch and of the fusion."}
+    )
     itm_loss_weight: float = field(default=1.0, metadata={"help": "pretrain: weight of the ITM loss (0 = ITC only)."})
     config_overrides: str | None = field(
         default=None,
@@ -588,10 +618,9 @@ def settle_arguments(
     `--config_overrides` checked against MMFusionConfig; changes the arguments in place and returns them.
     """
     check_launch(training_args)
-    if model_args.config_overrides:
-        from .models import check_config_overrides  # models.py builds on this module
+    from .models import check_config_overrides  # models.py builds on this module
 
-        check_config_overrides(model_args, data_args.image_size, data_args.max_length)
+    check_config_overrides(model_args, data_args.image_size, data_args.max_length)
     task = model_args.task
     if training_args.group_by_image is None and (data_args.streaming or training_args.batch_size_ramp_max):
         training_args.group_by_image = False
@@ -673,7 +702,32 @@ class MMFusionArgumentParser(ScriptArgumentParser):
         argv = list(sys.argv[1:] if args is None else args)
         if argv and argv[0].endswith((".yaml", ".yml", ".json")):
             argv = self._config_flags(Path(argv.pop(0))) + argv
-        return self.parse_args_into_dataclasses(args=argv)
+        return self.parse_args_into_dataclasses(args=self._preset_flags(argv) + argv)
+
+    def _preset_flags(self, argv: list[str]) -> list[str]:
+        """The `model` values of the `--model_config` preset (the last one given) as flags, to go before `argv`'s:
+        `argv`'s own win."""
+        name = DEFAULT_PRESET
+        for i, word in enumerate(argv):
+            if word == "--model_config" and i + 1 < len(argv):
+                name = argv[i + 1]
+            elif word.startswith("--model_config="):
+                name = word.split("=", 1)[1]
+        try:
+            preset = load_model_preset(name)
+        except ValueError as err:
+            self.error(str(err))
+        known = {f.name for f in dataclasses.fields(ModelArguments) if f.init}
+        flags = []
+        for key, value in preset.get("model", {}).items():
+            if key not in known or key in ("model_config", "config_overrides"):
+                close = difflib.get_close_matches(str(key), known, n=1)
+                hint = f" Did you mean {close[0]!r}?" if close else ""
+                self.error(
+                    f"--model_config {preset['path']}: {key!r} is not a model option of scripts/train.py.{hint}"
+                )
+            flags += [f"--{key}", str(value)]
+        return flags
 
     def _config_flags(self, path: Path) -> list[str]:
         """The options of a config file as flags; an unknown key is an error that suggests the closest option."""

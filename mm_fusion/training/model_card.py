@@ -228,6 +228,7 @@ def model_card_context(
         "image_size": image_size,
         "text": config.text_config,
         "num_parameters": sum(p.numel() for p in model.parameters()),
+        "model_preset": None if model_args.model_name_or_path else model_args.model_config,
         "from_scratch": not (
             model_args.model_name_or_path or model_args.vision_model_name_or_path or model_args.text_model_name_or_path
         ),

@@ -19,6 +19,7 @@ from ..tokenizer_training import train_tokenizer
 from ..vision_towers import early_stage_parameters
 from .arguments import DataArguments, ModelArguments
 from .data import TrainingData, parse_overrides
+from .model_presets import conv_tower_settings, load_model_preset
 
 
 logger = logging.getLogger(__name__)
@@ -176,7 +177,8 @@ def build_config(
     leave_out: tuple[str, ...] = (),
 ) -> MMFusionConfig:
     """An MMFusionConfig for towers built from scratch (ResNet / ConvNeXt / small ViT + BERT) from the size arguments,
-    with `conv_fusion_defaults` and then `--config_overrides` (but for the keys of `leave_out`) on top."""
+    with the model preset's settings ([`preset_settings`]) and then `--config_overrides` (but for the keys of
+    `leave_out`) on top."""
     from transformers import BertConfig, ConvNextConfig, ResNetConfig, ViTConfig
 
     h, p = model_args.hidden_size, model_args.dropout
@@ -226,9 +228,17 @@ def build_config(
     if labels is not None:
         kwargs.update(id2label=dict(enumerate(labels)), label2id={name: i for i, name in enumerate(labels)})
     overrides = {k: v for k, v in parse_overrides(model_args.config_overrides).items() if k not in leave_out}
-    kwargs.update(conv_fusion_defaults(model_args, overrides))
+    kwargs.update({k: v for k, v in preset_settings(model_args, overrides).items() if k not in leave_out})
     kwargs.update(overrides)
     return MMFusionConfig(**kwargs)
+
+
+def preset_settings(model_args: ModelArguments, overrides: dict) -> dict:
+    """The MMFusionConfig settings of the run's model preset (`--model_config`) that `--config_overrides` does not
+    name: its `config`, and its `conv_tower_config` where the run's tower takes it ([`conv_tower_settings`])."""
+    preset = load_model_preset(model_args.model_config)
+    settings = {k: v for k, v in preset.get("config", {}).items() if k not in overrides}
+    return settings | conv_tower_settings(preset, model_args, overrides)
 
 
 # The keys `--config_overrides` may set: MMFusionConfig's fields, and the two settings `init_scheme` replaced, which it
@@ -238,61 +248,52 @@ EARLIER_CONFIG_KEYS = ("fusion_init", "vision_film_init")
 
 def check_config_overrides(model_args: ModelArguments, image_size: int | None, max_length: int) -> dict:
     """
-    `--config_overrides` parsed and checked with the other arguments, before any data is read: every key must be an
-    MMFusionConfig setting (the closest one is suggested), and the config of towers built from scratch must accept
-    the values (the settings a pretrained tower replaces are checked against it when it is loaded). Raises a one-line
-    `ValueError`; returns the overrides.
+    `--config_overrides` and the model preset's settings (`--model_config`) checked with the other arguments, before
+    any data is read: every key must be an MMFusionConfig setting (the closest one is suggested), and the config of
+    towers built from scratch must accept the values (with a pretrained tower, the values are checked against it
+    when it is loaded). Raises a one-line `ValueError`; returns the overrides.
     """
     import dataclasses
     import difflib
 
     overrides = parse_overrides(model_args.config_overrides)
-    if overrides and model_args.model_name_or_path:
-        raise ValueError(
-            f"--config_overrides sets the config of a new model, but --model_name_or_path "
-            f"{model_args.model_name_or_path} brings its own: drop --config_overrides {model_args.config_overrides!r}."
-        )
+    if model_args.model_name_or_path:
+        if overrides:
+            raise ValueError(
+                f"--config_overrides sets the config of a new model, but --model_name_or_path "
+                f"{model_args.model_name_or_path} brings its own: drop --config_overrides "
+                f"{model_args.config_overrides!r}."
+            )
+        return overrides
+    preset = load_model_preset(model_args.model_config)
     known = sorted({f.name for f in dataclasses.fields(MMFusionConfig)} | set(EARLIER_CONFIG_KEYS))
-    for key in overrides:
-        if key not in known:
-            close = difflib.get_close_matches(key, known, n=1)
-            hint = f"did you mean {close[0]!r}?" if close else "MMFusionConfig's docstring lists them."
-            raise ValueError(f"--config_overrides: {key!r} is not an MMFusionConfig setting; {hint}")
+    given = [("--config_overrides", overrides)] + [
+        (f"--model_config {preset['path']} ({part})", preset.get(part, {})) for part in ("config", "conv_tower_config")
+    ]
+    for where, settings in given:
+        for key in settings:
+            if key not in known:
+                close = difflib.get_close_matches(key, known, n=1)
+                hint = f"did you mean {close[0]!r}?" if close else "MMFusionConfig's docstring lists them."
+                raise ValueError(f"{where}: {key!r} is not an MMFusionConfig setting; {hint}")
+    if model_args.vision_model_name_or_path or model_args.text_model_name_or_path:
+        return overrides  # the values are checked against the pretrained tower when it is loaded
     labels = None if model_args.task == "pretrain" else ["a", "b"]
     try:
         build_config(model_args, image_size or 64, model_args.vocab_size, max_length, labels,
                      leave_out=replaced_tower_settings(model_args))  # fmt: skip
     except Exception as err:  # the config's own validation: a strict field's type, a value out of its range
-        raise ValueError(f"--config_overrides {model_args.config_overrides!r}: {' '.join(str(err).split())}") from None
+        given = f"--config_overrides {model_args.config_overrides!r}" if overrides else "the model settings"
+        message = " ".join(str(err).split())
+        raise ValueError(f"{given} (--model_config {model_args.model_config}): {message}") from None
     return overrides
 
 
-# A convolutional tower's stages read the question by cross-attention, the layers outside the towers are drawn as
-# PyTorch draws them, and the tower's tokens enter the fusion without a second Linear: without all three the
-# cross-attention fusion learns which shapes and how many, but not where an object named by its colour is (results:
+# Why the default preset's `conv_tower_config` sets what it does (model_configs/default.json): a convolutional tower's
+# stages read the question by cross-attention, the layers outside the towers are drawn as PyTorch draws them, and the
+# tower's tokens enter the fusion without a second Linear: without all three the cross-attention fusion learns which
+# shapes and how many, but not where an object named by its colour is (results:
 # scripts/research/results/sort_of_clevr_ladder.md).
-CONV_FUSION_DEFAULTS = {"vision_text_attention": True, "init_scheme": "pytorch", "feature_map_bridge": False}
-
-
-def conv_fusion_defaults(model_args: ModelArguments, overrides: dict) -> dict:
-    """The settings of `CONV_FUSION_DEFAULTS` that a run's config takes unless `--config_overrides` names them: for a
-    ResNet / ConvNeXt tower built from scratch (no pretrained tower) with cross-attention fusion (`hierarchical` or
-    `cross_attention`) and a classification head. Not for `--task pretrain` (its contrastive head needs image
-    features without a text), nor with `vision_film` (which conditions the tower instead)."""
-    if (
-        model_args.task == "pretrain"
-        or model_args.vision_tower not in ("resnet", "convnext")
-        or model_args.fusion_type not in ("hierarchical", "cross_attention")
-        or model_args.vision_model_name_or_path
-        or model_args.text_model_name_or_path
-    ):
-        return {}
-    defaults = dict(CONV_FUSION_DEFAULTS)
-    if overrides.get("vision_film"):
-        del defaults["vision_text_attention"]
-    if {"fusion_init", "vision_film_init"} & overrides.keys():  # the settings init_scheme replaced name it too
-        del defaults["init_scheme"]
-    return defaults
 
 
 def model_class(task: str):

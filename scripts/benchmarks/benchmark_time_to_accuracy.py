@@ -1,7 +1,7 @@
 """
 Time to accuracy on easy-VQA: the seconds of training each contender takes to reach each test accuracy, all three
 training the same nn.Module: the model `scripts/train.py` builds with no arguments
-(`MMFusionForImageTextClassification` of `build_config(ModelArguments(), ...)`, its `conv_fusion_defaults` included:
+(`MMFusionForImageTextClassification` of `build_config(ModelArguments(), ...)`, the default preset included:
 today the ResNet tower whose stages read the question, a 2-layer BERT and one hierarchical fusion layer, width 96), at
 64 px, with the recipe's 64 samples per optimizer step. The seed pipeline pads every text to 512 tokens, so the seed
 contender's BERT has 512 positions instead of 64: the one difference between the models, stated in the report with

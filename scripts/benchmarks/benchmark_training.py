@@ -36,13 +36,9 @@ from transformers import HfArgumentParser
 
 
 SHORT = ["--num_train_epochs", "3"]  # the ablations: 3 epochs each, against the same 3-epoch baseline
-# The default model before its tower read the question (mm_fusion.training.models.conv_fusion_defaults).
 TWO_LAYERS = ["--fusion_layers", "2"]  # the default model until issue 52's sixth session
-PREVIOUS_MODEL = [
-    *TWO_LAYERS,
-    "--config_overrides",
-    "vision_text_attention=false,fusion_init=normal,feature_map_bridge=true",
-]
+# The default model before issue 52, and before its tower read the question (mm_fusion/training/model_configs/).
+PREVIOUS_MODEL = ["--model_config", "previous_default"]
 RUNS = {
     "default": [],
     "default_4_epochs": ["--num_train_epochs", "4"],

@@ -311,18 +311,25 @@ def conv_stack(layers: int, extra_channels: int = 0) -> nn.ModuleList:
 def recipe_config(**overrides):
     """The MMFusionConfig of the Sort-of-CLEVR recipe's model (ResNet tower), vocabulary of 20 ids."""
     from mm_fusion.training.arguments import ModelArguments
+    from mm_fusion.training.model_presets import load_model_preset
     from mm_fusion.training.models import build_config
 
-    # Its rungs ran with two fusion layers, train.py's default until issue 52's sixth session, unless they name it.
-    args = ModelArguments(vision_tower="resnet", **{"fusion_layers": 2, **overrides})
+    # Its rungs ran with the previous default model (two fusion layers, train.py's default until issue 52's sixth
+    # session, and the settings below), unless they name them.
+    earlier = load_model_preset("previous_default")
+    args = ModelArguments(vision_tower="resnet", **{**earlier["model"], **overrides})
     # The rungs from before the library's `fusion_layer_order` and text bridge defaults (point 38) keep the model they
     # ran with unless they name either: self-attention first, and the text tower's last layers bridged.
     settings = [args.config_overrides] if args.config_overrides else []
     if "fusion_layer_order" not in (args.config_overrides or ""):
         settings.append("fusion_layer_order=self_first")
-    # Nor do they take train.py's defaults for a convolutional tower (point 49) unless they name them.
-    earlier = {"vision_text_attention": "false", "fusion_init": "normal", "feature_map_bridge": "true"}
-    settings += [f"{key}={value}" for key, value in earlier.items() if key not in (args.config_overrides or "")]
+    # Nor do they take train.py's defaults for a convolutional tower (point 49) unless they name them, whatever the
+    # fusion (the preset's conv_tower_config, given as overrides).
+    settings += [
+        f"{key}={json.dumps(value)}"
+        for key, value in earlier["conv_tower_config"].items()
+        if key not in (args.config_overrides or "")
+    ]
     if "text_bridge_layers" not in (args.config_overrides or "") and args.fusion_type == "hierarchical":
         last = range(args.text_layers - args.fusion_layers + 1, args.text_layers + 1)
         settings.append(f"text_bridge_layers=[{','.join(map(str, last))}]")

@@ -57,7 +57,7 @@ def test_seed_model_ignores_padding(baselines):
 def test_default_model_is_the_one_train_py_builds(baselines):
     from mm_fusion import MMFusionForImageTextClassification, train_tokenizer
     from mm_fusion.training import ModelArguments, build_config
-    from mm_fusion.training.models import conv_fusion_defaults
+    from mm_fusion.training.models import preset_settings
 
     tokenizer = train_tokenizer(["what color is the circle?", "is there a triangle?"], vocab_size=100)
     labels = ["yes", "no", "red"]
@@ -65,7 +65,7 @@ def test_default_model_is_the_one_train_py_builds(baselines):
     assert type(model) is MMFusionForImageTextClassification
     expected = build_config(ModelArguments(), 64, len(tokenizer), 64, labels).to_dict()
     assert model.config.to_dict() == {**expected, "problem_type": "single_label_classification"}
-    for name, value in conv_fusion_defaults(ModelArguments(), {}).items():  # scripts/train.py's, none overridden
+    for name, value in preset_settings(ModelArguments(), {}).items():  # the default preset's, none overridden
         assert getattr(model.config, name) == value
     # Longer texts (the seed pipeline's 512 tokens): more BERT positions, the rest alike.
     longer = baselines.default_model(tokenizer, labels, 64, baselines.SEED_MAX_LENGTH, seed=0).config.to_dict()
