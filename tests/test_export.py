@@ -4,6 +4,7 @@ pipelines served by the export (`MMFusionOnnxModel`) against the same pipelines 
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -173,9 +174,10 @@ def test_onnx_model_refuses_what_the_graphs_cannot_do(tmp_path_factory, tester):
 
 
 def test_cli_exports_and_names_bad_input(tmp_path_factory, tmp_path, tester, capsys):
-    """The README's command, `python -m mm_fusion.export MODEL_DIR OUT_DIR`; its errors are one line, status 1."""
+    """The README's command, `mm-fusion-export MODEL_DIR OUT_DIR` (the console script of `python -m mm_fusion.export`);
+    its errors are one line, status 1."""
     saved, _, _ = _exported(tmp_path_factory, tester, "classification", "late")
-    command = [sys.executable, "-m", "mm_fusion.export", str(saved), str(tmp_path / "cli")]
+    command = [str(Path(sys.executable).with_name("mm-fusion-export")), str(saved), str(tmp_path / "cli")]
     done = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "model.onnx: input_ids, attention_mask, pixel_values -> logits" in done.stdout
