@@ -354,7 +354,7 @@ def test_every_test_the_smoke_set_names_exists():
     """.ci/run reruns `-m smoke` against the newest transformers: a renamed test must not drop out of it unseen."""
     import ast
 
-    from conftest import SMOKE
+    from helpers.smoke import SMOKE
 
     for name, tests in SMOKE.items():
         path = ROOT / "tests" / name
