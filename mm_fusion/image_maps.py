@@ -144,7 +144,7 @@ def image_maps(
     if token is not None and method in ANSWER_METHODS:
         raise ValueError(f"`token` picks one text token's attention; a {method!r} map has no tokens.")
     if method == "tower_attention":
-        if getattr(model.mm_fusion, "vision_text_attention", None) is None:
+        if model.mm_fusion.vision_encoder.vision_text_attention is None:
             raise ValueError(
                 "method='tower_attention' maps the reads of a tower conditioned by cross-attention "
                 "(config.vision_text_attention); this model's vision tower reads no text."
@@ -239,7 +239,7 @@ def _attention_maps(model, inputs: dict, image_index: torch.Tensor | None, token
 
 
 def _tower_attention_maps(model, inputs: dict, image_index: torch.Tensor | None, token: torch.Tensor) -> ImageMaps:
-    reads = model.mm_fusion.vision_text_attention
+    reads = model.mm_fusion.vision_encoder.vision_text_attention
     reads.recorded = []
     try:
         with torch.no_grad():
@@ -248,7 +248,7 @@ def _tower_attention_maps(model, inputs: dict, image_index: torch.Tensor | None,
     finally:
         reads.recorded = None
     size = recorded[0][1]
-    offset = 1 if model.mm_fusion._vision_tower_type == "backbone" else 0  # a backbone's stage 0 is its stem
+    offset = 1 if model.mm_fusion.vision_encoder.tower_type == "backbone" else 0  # a backbone's stage 0 is its stem
     offset += reads.first_stage  # the stages before it read nothing
     rows = torch.arange(len(token))
     maps = []
@@ -270,27 +270,27 @@ def _tower_attention_maps(model, inputs: dict, image_index: torch.Tensor | None,
 
 def _capture_name(model) -> str:
     """The name of the map [`_capture_last_map`] records."""
-    base = model.mm_fusion
-    if base.feature_map_tokens is None:
+    vision = model.mm_fusion.vision_encoder
+    if vision.feature_map_tokens is None:
         return "vision tower's last hidden state"
-    return f"vision stage {base._vision_stages[-1]}"
+    return f"vision stage {vision.stages[-1]}"
 
 
 def _capture_last_map(model, captured: list[torch.Tensor]):
     """A hook that appends the last tower map the model reads to `captured` (a backbone / convolutional tower's last
     stage read, as its token projection receives it; a transformer tower's last hidden state); returns its handle."""
-    base = model.mm_fusion
-    if base.feature_map_tokens is None:  # the last hidden state's tokens
+    vision = model.mm_fusion.vision_encoder
+    if vision.feature_map_tokens is None:  # the last hidden state's tokens
 
         def capture(module, args, output):
             captured.append(output.last_hidden_state)
 
-        return base.vision_model.register_forward_hook(capture)
+        return vision.vision_model.register_forward_hook(capture)
 
     def capture_stages(module, args):
         captured.append(args[0][-1])
 
-    return base.feature_map_tokens.register_forward_pre_hook(capture_stages)
+    return vision.feature_map_tokens.register_forward_pre_hook(capture_stages)
 
 
 def _cam(activations: torch.Tensor, gradients: torch.Tensor) -> torch.Tensor:
@@ -360,7 +360,7 @@ def pixel_contributions(
 def _contributions(model, inputs: dict, targets: torch.Tensor | None, coarse: str | None) -> tuple:
     """[`pixel_contributions`], and with `coarse` the coarse map's record from the same pass: `"attention"` (the
     fusion layers' attention) or `"grad_cam"` (the last tower map read and its gradient)."""
-    pixels = model.mm_fusion.normalize_pixels(inputs["pixel_values"]).detach().requires_grad_(True)
+    pixels = model.mm_fusion.vision_encoder.normalize_pixels(inputs["pixel_values"]).detach().requires_grad_(True)
     captured: list[torch.Tensor] = []
     handles = []
     if coarse == "grad_cam":

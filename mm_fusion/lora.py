@@ -43,7 +43,8 @@ from .cli import ScriptArgumentParser, command_name
 
 
 LORA_PARTS = ("vision", "text", "fusion")
-TOWERS = {"vision": "vision_model", "text": "text_model", "fusion": "encoder"}
+# Each part's module, by its path in the bare model.
+TOWERS = {"vision": "vision_encoder.vision_model", "text": "text_model", "fusion": "encoder"}
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 
 
@@ -59,7 +60,16 @@ def parse_parts(parts: str | list[str]) -> list[str]:
 
 # Layers beside the towers that run inside the vision tower's forward, through hooks that call their sublayers, not
 # through their own forward: peft's `modules_to_save` copy of one of them would never be called.
-CALLED_BY_HOOKS = ("vision_film", "vision_text_attention")
+CALLED_BY_HOOKS = ("vision_encoder.vision_film", "vision_encoder.vision_text_attention")
+
+
+def _beside_towers(body: nn.Module):
+    """The bare model's parts by path: its children, with the vision encoder's parts in place of the encoder."""
+    for name, child in body.named_children():
+        if name == "vision_encoder":
+            yield from ((f"{name}.{n}", c) for n, c in child.named_children())
+        else:
+            yield name, child
 
 
 def _weighted(module: nn.Module) -> bool:
@@ -85,9 +95,10 @@ def lora_config(model, parts: str | list[str] = "vision,text", r: int = 8, alpha
     body = getattr(model, prefix)
     targets, trained = [], []
     for part in parts:
-        tower = getattr(body, TOWERS[part], None)
-        if tower is None:
-            raise ValueError(f"--lora_parts {part}: this model has no {TOWERS[part]} to adapt.")
+        try:
+            tower = body.get_submodule(TOWERS[part])
+        except AttributeError:  # late fusion's `encoder` is None
+            raise ValueError(f"--lora_parts {part}: this model has no {TOWERS[part]} to adapt.") from None
         # transformers' MobileNet with TensorFlow padding reads each convolution's `stride` in its forward, which
         # peft's LoRA wrapper of a Conv2d does not pass through: its convolutions stay frozen there.
         convolutions = not getattr(getattr(tower, "config", None), "tf_padding", False)
@@ -100,7 +111,7 @@ def lora_config(model, parts: str | list[str] = "vision,text", r: int = 8, alpha
     # Everything else of the model with weights trains fully: the fusion block unless adapted, the layers beside it
     # (the contrastive projections, FiLM maps...), and the heads.
     adapted = {TOWERS[part] for part in parts} | {TOWERS["vision"], TOWERS["text"]}
-    for name, child in body.named_children():
+    for name, child in _beside_towers(body):
         if name in adapted or not _weighted(child):
             continue
         if name in CALLED_BY_HOOKS:  # peft's copy would not be what the hooks call: copy each layer of it instead
@@ -154,9 +165,45 @@ def starting_model(model_dir: str | Path):
         return head.from_pretrained(plain)
 
 
+def adapter_in_current_layout(model_dir: str | Path, into: str | Path) -> Path:
+    """
+    `model_dir`'s adapter written into `into` with the module names the model has now. An adapter saved before the
+    vision encoder was a submodule names the vision tower and its parts without `vision_encoder.`: transformers'
+    `load_adapter` maps its weights (as `from_pretrained` does a model's, through `SAVED_NAMES` in
+    modeling_mm_fusion.py), but peft's `PeftModel.from_pretrained` matches `modules_to_save` and the weights by their
+    full names and would leave those modules as they started.
+    """
+    from peft import PeftConfig
+    from safetensors.torch import load_file, save_file
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+
+    from .configuration_mm_fusion import MMFusionConfig
+
+    renamings = get_checkpoint_conversion_mapping(MMFusionConfig.model_type)
+
+    def current(name: str) -> str:  # a module or parameter name of a head, without peft's prefix
+        for renaming in renamings:
+            renamed, matched = renaming.rename_source_key(name)
+            if matched is not None:
+                return renamed
+        return name
+
+    config = PeftConfig.from_pretrained(model_dir)
+    config.modules_to_save = [current(name) for name in config.modules_to_save or []] or None
+    if not isinstance(config.target_modules, str):  # full names, or the suffixes peft saves in their place
+        config.target_modules = {current(name) for name in config.target_modules}
+    config.save_pretrained(into)
+    prefix = "base_model.model."
+    weights = load_file(Path(model_dir) / "adapter_model.safetensors")
+    save_file({prefix + current(k.removeprefix(prefix)): v for k, v in weights.items()}, Path(into) / ADAPTER_FILES[1])
+    return Path(into)
+
+
 def merge_lora(model_dir: str | Path):
     """The model saved in `model_dir` with its LoRA adapter folded into the weights: a plain MMFusion model with the
     adapted model's outputs, no peft needed to serve it."""
+    import tempfile
+
     from peft import PeftModel
 
     if not Path(model_dir).is_dir():
@@ -164,8 +211,8 @@ def merge_lora(model_dir: str | Path):
     if not has_adapter(model_dir):
         raise FileNotFoundError(f"{model_dir} has no LoRA adapter ({', '.join(ADAPTER_FILES)}).")
     base = starting_model(model_dir).eval()
-    with torch.no_grad():
-        return PeftModel.from_pretrained(base, model_dir).merge_and_unload()
+    with tempfile.TemporaryDirectory() as adapter, torch.no_grad():
+        return PeftModel.from_pretrained(base, adapter_in_current_layout(model_dir, adapter)).merge_and_unload()
 
 
 @dataclass

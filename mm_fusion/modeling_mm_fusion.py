@@ -11,6 +11,8 @@ from torch import nn
 from transformers import AutoModel, PreTrainedModel
 from transformers import initialization as init
 from transformers.activations import ACT2FN
+from transformers.conversion_mapping import register_checkpoint_conversion_mapping
+from transformers.core_model_loading import WeightRenaming
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -902,10 +904,12 @@ class MMFusionPreTrainedModel(PreTrainedModel):
         return super().save_pretrained(save_directory, *args, **kwargs)
 
 
-class MMFusionModel(MMFusionVisionEncoder, MMFusionPreTrainedModel):
+class MMFusionModel(MMFusionPreTrainedModel):
     r"""
     The bare fusion model: a vision tower and a text tower (any transformers encoders, built from
-    `config.vision_config` / `config.text_config`) and the fusion block chosen by `config.fusion_type`.
+    `config.vision_config` / `config.text_config`) and the fusion block chosen by `config.fusion_type`. Its forward
+    reads as encode (the text tower `text_model`; the image side `vision_encoder`, an [`MMFusionVisionEncoder`] that
+    holds the vision tower `vision_model`), fuse (`encoder`), pool.
 
     Args:
         config ([`MMFusionConfig`]):
@@ -929,12 +933,9 @@ class MMFusionModel(MMFusionVisionEncoder, MMFusionPreTrainedModel):
 
     def __init__(self, config: MMFusionConfig, add_projection_layers: bool = True):
         super().__init__(config)
-        self.vision_model = build_tower_model(config.vision_config)
+        self.vision_encoder = MMFusionVisionEncoder(config)
         self.text_model = build_tower_model(config.text_config)
-        # Share the sub-config objects so that changes through either path are seen by both.
-        self.vision_model.config = config.vision_config
-        self.text_model.config = config.text_config
-        self.init_vision_encoder(config)  # the conv stem, the feature-map tokens, the conditioning on the text
+        self.text_model.config = config.text_config  # shared, so that changes through either path are seen by both
         self.is_late = config.fusion_type == "late"
         self.encoder = None if self.is_late else MMFusionEncoder(config)
         # image_pooling="flatten" concatenates every token, in order: their number, found once (on the meta device).
@@ -951,6 +952,11 @@ class MMFusionModel(MMFusionVisionEncoder, MMFusionPreTrainedModel):
             widths = {"text": 1, "concat": 2, "concat_product": 3}
             self.pooled_dim = widths[config.joint_pooling] * config.fusion_hidden_size
         self.post_init()
+
+    @property
+    def vision_model(self) -> nn.Module:
+        """The vision tower (held by `vision_encoder`), beside `text_model`, as CLIP names its towers."""
+        return self.vision_encoder.vision_model
 
     def train(self, mode: bool = True):
         """As `nn.Module.train`, except that a tower with no trainable parameter (frozen: `--freeze_vision_model` /
@@ -984,19 +990,20 @@ class MMFusionModel(MMFusionVisionEncoder, MMFusionPreTrainedModel):
         image_index: torch.Tensor | None = None,
     ) -> tuple[ModelOutput, ModelOutput, list[torch.Tensor], list[torch.Tensor]]:
         """
-        Encode the images ([`encode_images`]) and the texts ([`encode_texts`]), each tower once; returns their outputs
-        and the feature lists the fusion block reads. When the text conditions the vision tower (`config.vision_film`
-        / `vision_text_attention`), the text tower runs first and the vision tower then runs conditioned on each text,
-        on its image (`pixel_values[image_index]`; [`encode_images_per_text`]): the image features are then one per
-        text.
+        Encode the images ([`MMFusionVisionEncoder`]) and the texts ([`encode_texts`]), each tower once; returns their
+        outputs and the feature lists the fusion block reads. When the text conditions the vision tower
+        (`config.vision_film` / `vision_text_attention`), the text tower runs first and the vision tower then runs
+        conditioned on each text, on its image (`pixel_values[image_index]`; [`MMFusionVisionEncoder.per_text`]): the
+        image features are then one per text.
         """
-        if not self.text_conditions_vision:
-            vision_out, image_features = self.encode_images(pixel_values, output_attentions, output_hidden_states)
+        conditioned = self.vision_encoder.text_conditions_vision
+        if not conditioned:
+            vision_out, image_features = self.vision_encoder(pixel_values, output_attentions, output_hidden_states)
         text_out, text_features = self.encode_texts(
             input_ids, attention_mask, token_type_ids, output_attentions, output_hidden_states
         )
-        if self.text_conditions_vision:
-            vision_out, image_features = self.encode_images_per_text(
+        if conditioned:
+            vision_out, image_features = self.vision_encoder.per_text(
                 pixel_values,
                 text_out.last_hidden_state,
                 attention_mask,
@@ -1060,7 +1067,7 @@ class MMFusionModel(MMFusionVisionEncoder, MMFusionPreTrainedModel):
         Returns:
             [`MMFusionEncodingOutput`].
         """
-        if self.text_conditions_vision:
+        if self.vision_encoder.text_conditions_vision:
             raise ValueError(
                 "This model conditions its vision tower on each text (config.vision_film / vision_text_attention), so "
                 "images have no features apart from a text to encode them with: call the model on image-text pairs."
@@ -1072,7 +1079,7 @@ class MMFusionModel(MMFusionVisionEncoder, MMFusionPreTrainedModel):
         return MMFusionEncodingOutput(
             image_embeds=(
                 self.embed_image(vision_out)
-                if self._vision_tower_type == "transformer"
+                if self.vision_encoder.tower_type == "transformer"
                 else self._embed_image_tokens(image_features[-1])
             ),
             text_embeds=self.embed_text(text_out, attention_mask),
@@ -1136,7 +1143,7 @@ class MMFusionModel(MMFusionVisionEncoder, MMFusionPreTrainedModel):
                 pooler_output=pooler_output,
             )
         index = image_index if shared else None
-        tokens = self.feature_map_tokens
+        tokens = self.vision_encoder.feature_map_tokens
         fused = self.encoder(
             text_features,
             image_features,
@@ -1228,7 +1235,8 @@ class MMFusionModel(MMFusionVisionEncoder, MMFusionPreTrainedModel):
             image_features,
             text_features,
             attention_mask,
-            image_index=None if self.text_conditions_vision else image_index,  # else image features are per text
+            # A conditioned tower's image features are already per text.
+            image_index=None if self.vision_encoder.text_conditions_vision else image_index,
             output_attentions=output_attentions,
             output_hidden_states=output_hidden_states,
         )
@@ -1279,23 +1287,23 @@ class MMFusionModel(MMFusionVisionEncoder, MMFusionPreTrainedModel):
         """
         if pixel_values is None:
             raise ValueError("get_image_features needs `pixel_values`.")
-        if self.text_conditions_vision:
+        if self.vision_encoder.text_conditions_vision:
             raise ValueError(
                 "This model conditions its vision tower on the text (config.vision_film / vision_text_attention): an "
                 "image has no embedding without a text. Call the model on image-text pairs."
             )
         output_attentions, output_hidden_states = self._output_flags(output_attentions, output_hidden_states)
-        if self._vision_tower_type == "transformer":
+        if self.vision_encoder.tower_type == "transformer":
             vision_out = self.vision_model(
-                pixel_values=self.normalize_pixels(pixel_values),
+                pixel_values=self.vision_encoder.normalize_pixels(pixel_values),
                 output_attentions=output_attentions,
                 output_hidden_states=output_hidden_states,
                 return_dict=True,
             )
             last_hidden_state, pooler_output = vision_out.last_hidden_state, self.embed_image(vision_out)
         else:  # the tower's map at the last stage the fusion reads; the embedding pools that stage's tokens
-            vision_out, tokens = self.encode_images(pixel_values, output_attentions, output_hidden_states)
-            last_hidden_state = sequence(self.stage_maps(vision_out)[-1])
+            vision_out, tokens = self.vision_encoder(pixel_values, output_attentions, output_hidden_states)
+            last_hidden_state = sequence(self.vision_encoder.stage_maps(vision_out)[-1])
             pooler_output = self._embed_image_tokens(tokens[-1])
         return BaseModelOutputWithPooling(
             last_hidden_state=last_hidden_state,
@@ -1371,6 +1379,19 @@ class MMFusionModel(MMFusionVisionEncoder, MMFusionPreTrainedModel):
         """Pool a text tower output over its real tokens and project it (when the projections are built)."""
         pooled = pool(text_out.last_hidden_state, attention_mask, self.config.pooling_mode)
         return self.text_projection(pooled) if self.text_projection is not None else pooled
+
+
+# Directories saved before the image side was the `vision_encoder` submodule name its parts at the bare model's top
+# level (`vision_model.*`, `feature_map_tokens.*`, `vision_film.*`, `vision_text_attention.*`, under `mm_fusion.` in a
+# head's). transformers' checkpoint conversion renames them on load and back on save, so saved directories keep one
+# format whichever version wrote or reads them. Registered here, not in `__init__`, so that a directory's own copy of
+# this file registers it where mm_fusion is not installed.
+SAVED_NAMES = [
+    WeightRenaming(f"^{prefix}{part}.", f"{prefix}vision_encoder.{part}.")
+    for prefix in (f"{MMFusionPreTrainedModel.base_model_prefix}.", "")
+    for part in ("vision_model", "feature_map_tokens", "vision_film", "vision_text_attention")
+]
+register_checkpoint_conversion_mapping(MMFusionConfig.model_type, SAVED_NAMES, overwrite=True)
 
 
 class MMFusionForImageTextClassification(MMFusionPreTrainedModel):

@@ -3,14 +3,16 @@
 import contextlib
 
 import torch
+from torch import nn
 from transformers.utils import ModelOutput
 
-from .configuration_mm_fusion import WORDS
+from .configuration_mm_fusion import WORDS, MMFusionConfig
 from .vision_towers import (
     MMFusionFeatureMapTokens,
     MMFusionVisionCrossAttention,
     MMFusionVisionFiLM,
     accepts,
+    build_tower_model,
     film_stages,
     install_conv_stem,
     num_stages,
@@ -56,30 +58,38 @@ def bridge_features(
     ]
 
 
-class MMFusionVisionEncoder:
+class MMFusionVisionEncoder(nn.Module):
     """
-    The image side of [`MMFusionModel`]: uint8 pixels normalised on the model's device, the vision tower (with its
-    convolutional stem, `config.vision_conv_stem`), the image tokens the fusion block reads (a transformer tower's
-    hidden states; a backbone / convolutional tower's feature maps at `config.vision_stages`, projected with
-    positions by [`MMFusionFeatureMapTokens`]), and the tower's conditioning on the text (`config.vision_film`:
-    [`MMFusionVisionFiLM`]; `config.vision_text_attention`: [`MMFusionVisionCrossAttention`]).
+    The image side of [`MMFusionModel`], held as its `vision_encoder`: uint8 pixels normalised on the model's device,
+    the vision tower `vision_model` (with its convolutional stem, `config.vision_conv_stem`), the image tokens the
+    fusion block reads (a transformer tower's hidden states; a backbone / convolutional tower's feature maps at
+    `config.vision_stages`, projected with positions by `feature_map_tokens`, an [`MMFusionFeatureMapTokens`]), and the
+    tower's conditioning on the text (`config.vision_film`: `vision_film`, an [`MMFusionVisionFiLM`];
+    `config.vision_text_attention`: `vision_text_attention`, an [`MMFusionVisionCrossAttention`]).
 
-    It is mixed into the model rather than held as a submodule so that its parameters keep the names saved models
-    have: `vision_model.*`, `feature_map_tokens.*`, `vision_film.*`, `vision_text_attention.*`.
+    Its forward runs the tower on images alone; [`per_text`] runs it conditioned on each text. Directories saved before
+    it was a submodule name its parameters without the `vision_encoder.` prefix: transformers' checkpoint conversion
+    (`SAVED_NAMES` in modeling_mm_fusion.py) maps them on load, and back on save.
+
+    Args:
+        config ([`MMFusionConfig`]):
+            The model's configuration (its `vision_config`, and the settings named above).
     """
 
-    def init_vision_encoder(self, config) -> None:
-        """Build the vision encoder's own parts around the tower `self.vision_model` (built by the model, before its
-        text tower)."""
+    def __init__(self, config: MMFusionConfig):
+        super().__init__()
+        self.config = config
+        self.vision_model = build_tower_model(config.vision_config)
+        self.vision_model.config = config.vision_config  # shared, so that changes through either path are seen by both
         if config.vision_conv_stem:
             install_conv_stem(self.vision_model, config.vision_config, config.vision_conv_stem)
+        self._takes_attentions = accepts(self.vision_model, "output_attentions")
+        # Derived from the vision config (a feature-map tower's stages by probing it): found once, not per forward.
+        self.tower_type, self.stages = config.vision_tower_type, config.vision_stages
         # A backbone / convolutional tower's feature maps become tokens of the fusion width.
         self.feature_map_tokens = None
-        self._vision_takes_attentions = accepts(self.vision_model, "output_attentions")
-        # Derived from the vision config (a feature-map tower's stages by probing it): found once, not per forward.
-        self._vision_tower_type, self._vision_stages = config.vision_tower_type, config.vision_stages
-        if self._vision_tower_type != "transformer":
-            channels = stage_channels(config.vision_config, self._vision_stages)
+        if self.tower_type != "transformer":
+            channels = stage_channels(config.vision_config, self.stages)
             self.feature_map_tokens = MMFusionFeatureMapTokens(
                 channels, config.vision_hidden_size, config.vision_position_embedding
             )
@@ -88,7 +98,7 @@ class MMFusionVisionEncoder:
         self.vision_film = self.vision_text_attention = None
         if config.vision_film or config.vision_text_attention:
             count = num_stages(config.vision_config)
-            stages = list(range(1, count)) if self._vision_tower_type == "backbone" else list(range(count))
+            stages = list(range(1, count)) if self.tower_type == "backbone" else list(range(count))
             conditioned = film_stages(self.vision_model, config.vision_config)
             channels = stage_channels(config.vision_config, stages)
             text = config.text_config
@@ -122,7 +132,7 @@ class MMFusionVisionEncoder:
             return self.vision_text_attention.conditioned(text_hidden, attention_mask, image_index)
         return contextlib.nullcontext()
 
-    def encode_images_per_text(
+    def per_text(
         self,
         pixel_values: torch.Tensor,
         text_hidden: torch.Tensor,
@@ -132,8 +142,8 @@ class MMFusionVisionEncoder:
         output_hidden_states: bool = False,
     ) -> tuple[ModelOutput, list[torch.Tensor]]:
         """
-        [`encode_images`] for a tower conditioned on each text (`vision_film` / `vision_text_attention`): the image
-        features are one per text. What runs up to the first conditioned stage (the stem, the first stage, and with
+        The forward for a tower conditioned on each text (`vision_film` / `vision_text_attention`): the image features
+        are one per text. What runs up to the first conditioned stage (the stem, the first stage, and with
         `vision_text_attention_from_stage` > 1 the stages before it) does not depend on the text, so when texts share
         images (`image_index`, fewer images than texts: an image-grouped batch) it runs once per distinct image and
         its output is expanded to the texts; its maps in the output (hidden states, a feature map read from them) are
@@ -143,18 +153,18 @@ class MMFusionVisionEncoder:
         if image_index is not None and not shared:
             pixel_values = pixel_values[image_index]  # no image is repeated: nothing to share
         with self.conditioned_on(text_hidden, attention_mask, image_index if shared else None):
-            vision_out, image_features = self.encode_images(pixel_values, output_attentions, output_hidden_states)
+            vision_out, image_features = self(pixel_values, output_attentions, output_hidden_states)
         if not shared:
             return vision_out, image_features
 
-        def per_text(value):  # a tower output made before the expansion has one row per image
+        def expand(value):  # a tower output made before the expansion has one row per image
             if isinstance(value, torch.Tensor) and value.dim() > 0 and len(value) == len(pixel_values):
                 return value[image_index]
-            return tuple(per_text(v) for v in value) if isinstance(value, tuple) else value
+            return tuple(expand(v) for v in value) if isinstance(value, tuple) else value
 
         for key, value in vision_out.items():
-            vision_out[key] = per_text(value)
-        return vision_out, [per_text(f) for f in image_features]
+            vision_out[key] = expand(value)
+        return vision_out, [expand(f) for f in image_features]
 
     def normalize_pixels(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """
@@ -174,9 +184,10 @@ class MMFusionVisionEncoder:
                     f"[{low}, {high}]. Pass uint8 images, or normalised float ones."
                 )
             pixel_values = pixel_values.to(torch.uint8)
-        return normalize_uint8_pixels(pixel_values, self.config.image_mean, self.config.image_std, self.dtype)
+        config = self.config
+        return normalize_uint8_pixels(pixel_values, config.image_mean, config.image_std, self.vision_model.dtype)
 
-    def encode_images(
+    def forward(
         self, pixel_values: torch.Tensor, output_attentions: bool = False, output_hidden_states: bool = False
     ) -> tuple[ModelOutput, list[torch.Tensor]]:
         """
@@ -188,8 +199,7 @@ class MMFusionVisionEncoder:
         """
         hierarchical = self.config.fusion_type == "hierarchical"
         pixel_values = self.normalize_pixels(pixel_values)
-        kind = self._vision_tower_type
-        if kind == "transformer":
+        if self.tower_type == "transformer":
             vision_out = self.vision_model(
                 pixel_values=pixel_values,
                 output_attentions=output_attentions,
@@ -199,14 +209,14 @@ class MMFusionVisionEncoder:
             if hierarchical:
                 return vision_out, bridge_features(vision_out, self.config.vision_bridge_layers)
             return vision_out, [sequence(vision_out.last_hidden_state)]
-        kwargs = {"output_attentions": output_attentions} if self._vision_takes_attentions else {}
+        kwargs = {"output_attentions": output_attentions} if self._takes_attentions else {}
         # Channels-last maps: convolutions and BatchNorm run faster on them (oneDNN on CPUs, tensor cores on GPUs), and
         # a stage's cells flatten to (batch, cells, channels) rows without a copy for the reads and the tokens.
         pixel_values = pixel_values.contiguous(memory_format=torch.channels_last)
         # A backbone returns the maps of its `out_indices` (the stages read); another model all its hidden states.
         vision_out = self.vision_model(
             pixel_values=pixel_values,
-            output_hidden_states=output_hidden_states or kind == "feature_maps",
+            output_hidden_states=output_hidden_states or self.tower_type == "feature_maps",
             return_dict=True,
             **kwargs,
         )
@@ -214,8 +224,7 @@ class MMFusionVisionEncoder:
 
     def stage_maps(self, vision_out: ModelOutput) -> list[torch.Tensor]:
         """A backbone / convolutional tower's feature maps at `config.vision_stages`, in that order."""
-        stages = self._vision_stages
-        if self._vision_tower_type == "backbone":  # `feature_maps` are the stages read, sorted, once each
-            by_stage = dict(zip(sorted(set(stages)), vision_out.feature_maps))
-            return [by_stage[i] for i in stages]
-        return [vision_out.hidden_states[i] for i in stages]
+        if self.tower_type == "backbone":  # `feature_maps` are the stages read, sorted, once each
+            by_stage = dict(zip(sorted(set(self.stages)), vision_out.feature_maps))
+            return [by_stage[i] for i in self.stages]
+        return [vision_out.hidden_states[i] for i in self.stages]

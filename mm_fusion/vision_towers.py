@@ -243,7 +243,7 @@ class MMFusionFeatureMapTokens(nn.Module):
             if side * side != count:
                 raise ValueError(
                     f"Image features of {count} tokens: not a square grid, and not a grid this model's tower made. "
-                    "Pass the features the model's own `encode_images` / `get_encodings` returned."
+                    "Pass the features the model's own `vision_encoder` / `encode` returned."
                 )
             grid = (side, side)
         return self._sine_positions(grid, tokens)

@@ -98,7 +98,7 @@ def test_trust_remote_code_round_trip_without_mm_fusion(tester, tmp_path):
         model = cls(config).eval()
         if config.vision_film:
             with torch.no_grad():
-                for p in model.mm_fusion.vision_film.parameters():
+                for p in model.mm_fusion.vision_encoder.vision_film.parameters():
                     p.normal_(std=0.2, generator=torch.Generator().manual_seed(i))
         path = str(tmp_path / f"model_{i}")
         model.save_pretrained(path)

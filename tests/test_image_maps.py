@@ -175,7 +175,7 @@ def test_tower_attention_maps_are_the_attention_the_cells_give_the_token(tester)
     the coarser stage on the first stage's grid."""
     model = classifier(tester, "hierarchical", "resnet", vision_text_attention=True)
     inputs = tester.inputs()
-    reads = model.mm_fusion.vision_text_attention.reads
+    reads = model.mm_fusion.vision_encoder.vision_text_attention.reads
     seen = []
     handles = [r.register_forward_pre_hook(lambda module, args: seen.append((module, args))) for r in reads]
     positions = torch.tensor([2, 0, 1])
@@ -200,7 +200,7 @@ def test_tower_attention_maps_are_the_attention_the_cells_give_the_token(tester)
     torch.testing.assert_close(result.maps[:, 0].flatten(1), on_token / on_token.sum(-1, keepdim=True))
     with torch.no_grad():
         torch.testing.assert_close(result.logits, model(**inputs).logits)
-    assert model.mm_fusion.vision_text_attention.recorded is None  # the model is left as it was
+    assert model.mm_fusion.vision_encoder.vision_text_attention.recorded is None  # the model is left as it was
 
 
 def test_wrong_requests_are_named(tester):

@@ -1,7 +1,8 @@
-"""Directories saved by an earlier mm_fusion (`tests/fixtures/saved_before_issue20`, see its SAVED_BY.txt) load with
+"""Directories saved by earlier mm_fusion versions (`tests/fixtures/saved_before_*`, see each SAVED_BY.txt) load with
 this one, give the outputs they gave when saved, serve through the pipelines, load with their own code where mm_fusion
 is not importable, and save again in the same format."""
 
+import functools
 import json
 import subprocess
 import sys
@@ -16,69 +17,94 @@ from safetensors.torch import load_file
 from transformers import AutoModelForPreTraining, AutoModelForVisualQuestionAnswering, AutoProcessor, pipeline
 
 import mm_fusion
+from mm_fusion.lora import merge_lora
 
 
-SAVED = Path(__file__).resolve().parent / "fixtures" / "saved_before_issue20"
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
 TEXTS = ["what color is the circle?", "is there a blue triangle in the image?"]
-HEADS = {"vqa": AutoModelForVisualQuestionAnswering, "pretrain": AutoModelForPreTraining}
+VQA, PRETRAIN = AutoModelForVisualQuestionAnswering, AutoModelForPreTraining
+# Each directory of saved models, named for the change it predates, and the Auto class of each model in it.
+SAVED = {
+    "saved_before_issue20": {"vqa": VQA, "pretrain": PRETRAIN},  # the layout of issue 20 (ViT towers)
+    # The vision encoder as a submodule (ResNet towers: stages that read the question, FiLM, neither; a LoRA adapter).
+    "saved_before_issue55": {"vqa": VQA, "film": VQA, "pretrain": PRETRAIN, "lora": VQA},
+}
+MODELS = [(saved, name) for saved, heads in SAVED.items() for name in heads]
+ANSWERING = [(saved, name) for saved, name in MODELS if SAVED[saved][name] is VQA]
 
 
-@pytest.fixture(scope="module")
-def expected() -> dict[str, torch.Tensor]:
-    return load_file(SAVED / "expected.safetensors")
+@functools.cache
+def expected(saved: str) -> dict[str, torch.Tensor]:
+    """The processor's inputs (`input.*`) and each model's outputs (`NAME.*`) when the directory was saved."""
+    return load_file(FIXTURES / saved / "expected.safetensors")
 
 
-def _inputs(expected: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {k.removeprefix("input."): v for k, v in expected.items() if k.startswith("input.")}
+def _inputs(saved: str) -> dict[str, torch.Tensor]:
+    return {k.removeprefix("input."): v for k, v in expected(saved).items() if k.startswith("input.")}
 
 
-def _outputs(expected: dict[str, torch.Tensor], name: str) -> dict[str, torch.Tensor]:
-    return {k.removeprefix(f"{name}."): v for k, v in expected.items() if k.startswith(f"{name}.")}
+def _outputs(saved: str, name: str) -> dict[str, torch.Tensor]:
+    return {k.removeprefix(f"{name}."): v for k, v in expected(saved).items() if k.startswith(f"{name}.")}
 
 
-@pytest.mark.parametrize("name", sorted(HEADS))
-def test_old_directory_loads_with_the_installed_code_and_gives_its_saved_outputs(name, expected):
-    model = HEADS[name].from_pretrained(SAVED / name).eval()
-    assert type(model).__module__ == "mm_fusion.modeling_mm_fusion"
-    processor = AutoProcessor.from_pretrained(SAVED / name)
-    image = Image.open(SAVED / "image.png")
-    batch = processor(images=[image, image], text=TEXTS, padding=True, return_tensors="pt")
-    inputs = _inputs(expected)
-    assert batch.keys() == inputs.keys()
-    for key in inputs:
-        assert torch.equal(batch[key], inputs[key]), key
-    with torch.no_grad():
-        outputs = model(**inputs)
-    saved = _outputs(expected, name)
-    assert saved and set(saved) <= set(outputs.keys())
-    for key, value in saved.items():
+def assert_saved_outputs(outputs, saved: str, name: str) -> None:
+    wanted = _outputs(saved, name)
+    assert wanted and set(wanted) <= set(outputs.keys())
+    for key, value in wanted.items():
         # Tight, not bit-equal: another torch release or CPU (AVX2 / AVX-512) sums in another order, at ~1e-7.
         torch.testing.assert_close(outputs[key], value, rtol=1e-5, atol=1e-6, msg=key)
 
 
-def test_old_directory_serves_through_the_installed_pipeline(expected):
-    pipe = pipeline("image-text-classification", model=str(SAVED / "vqa"))
+def _answers(saved: str, name: str) -> list[str]:
+    id2label = json.loads((FIXTURES / saved / name / "config.json").read_text())["id2label"]
+    return [id2label[str(int(i))] for i in _outputs(saved, name)["logits"].argmax(-1)]
+
+
+@pytest.mark.parametrize("saved,name", MODELS)
+def test_old_directory_loads_with_the_installed_code_and_gives_its_saved_outputs(saved, name):
+    path = FIXTURES / saved / name
+    model = SAVED[saved][name].from_pretrained(path).eval()
+    assert type(model).__module__ == "mm_fusion.modeling_mm_fusion"
+    if name == "lora":  # from_pretrained serves the adapter beside the model it started from
+        assert any(".lora_A." in n for n, _ in model.named_parameters())
+    processor = AutoProcessor.from_pretrained(path)
+    image = Image.open(FIXTURES / saved / "image.png")
+    batch = processor(images=[image, image], text=TEXTS, padding=True, return_tensors="pt")
+    inputs = _inputs(saved)
+    assert batch.keys() == inputs.keys()
+    for key in inputs:
+        assert torch.equal(batch[key], inputs[key]), key
+    with torch.no_grad():
+        assert_saved_outputs(model(**inputs), saved, name)
+
+
+@pytest.mark.parametrize("saved,name", ANSWERING)
+def test_old_directory_serves_through_the_installed_pipeline(saved, name):
+    pipe = pipeline("image-text-classification", model=str(FIXTURES / saved / name))
     assert type(pipe) is mm_fusion.ImageTextClassificationPipeline
-    answers = pipe(image=[str(SAVED / "image.png")] * 2, question=TEXTS)
-    logits = _outputs(expected, "vqa")["logits"]
-    id2label = pipe.model.config.id2label
-    assert [a[0]["answer"] for a in answers] == [id2label[int(i)] for i in logits.argmax(-1)]
+    answers = pipe(image=[str(FIXTURES / saved / "image.png")] * 2, question=TEXTS)
+    assert [a[0]["answer"] for a in answers] == _answers(saved, name)
+
+
+def test_old_lora_directory_merges_into_a_model_with_its_outputs():
+    """An adapter that names the vision tower and its parts as they were before the vision encoder was a submodule
+    (its `modules_to_save` among them) is folded in whole: the merged model gives the adapted model's outputs."""
+    merged = merge_lora(FIXTURES / "saved_before_issue55" / "lora").eval()
+    with torch.no_grad():
+        assert_saved_outputs(merged(**_inputs("saved_before_issue55")), "saved_before_issue55", "lora")
 
 
 def _comparable(config: dict) -> dict:
-    """A saved config without what transformers itself writes differently: its version, and the `dtype` that loading
-    sets on the tower sub-configs."""
+    """A saved config without what transformers itself writes differently: its version, the `dtype` that loading
+    sets on the tower sub-configs, and the `use_cache=False` that Trainer sets on a model it trains (a config loaded
+    with it drops it, in every version)."""
     towers = {k: {n: v for n, v in config[k].items() if n != "dtype"} for k in ("vision_config", "text_config")}
-    return {**{k: v for k, v in config.items() if k != "transformers_version"}, **towers}
+    return {**{k: v for k, v in config.items() if k not in ("transformers_version", "use_cache")}, **towers}
 
 
-@pytest.mark.parametrize("name", sorted(HEADS))
-def test_old_directory_saves_again_in_the_same_format(name, tmp_path):
-    model = HEADS[name].from_pretrained(SAVED / name)
-    model.save_pretrained(tmp_path)
-    old = _comparable(json.loads((SAVED / name / "config.json").read_text()))
-    # Settings added since (issue 21's vision towers) are written at the values that give the old model.
-    added = {
+# Settings added since a directory was saved, written at the values that give the old model.
+ADDED = {
+    "saved_before_issue20": lambda old: {  # issue 21's vision towers and later
         "image_pooling": old["pooling_mode"],
         "vision_position_embedding": "sine",
         "vision_conv_stem": None,
@@ -88,11 +114,25 @@ def test_old_directory_saves_again_in_the_same_format(name, tmp_path):
         "init_scheme": "normal",
         "feature_map_bridge": True,
         "fusion_layer_order": "self_first",
-    }
+    },
+    "saved_before_issue55": lambda old: {},
+}
+
+
+@pytest.mark.parametrize("saved,name", [(saved, name) for saved, name in MODELS if name != "lora"])
+def test_old_directory_saves_again_in_the_same_format(saved, name, tmp_path):
+    """The same config (and the settings added since), the weights under the names they were saved with, and the
+    model code beside them."""
+    model = SAVED[saved][name].from_pretrained(FIXTURES / saved / name)
+    model.save_pretrained(tmp_path)
+    old = _comparable(json.loads((FIXTURES / saved / name / "config.json").read_text()))
+    added = ADDED[saved](old)
     assert not added.keys() & old.keys()
     assert _comparable(json.loads((tmp_path / "config.json").read_text())) == {**old, **added}
+    saved_weights = load_file(FIXTURES / saved / name / "model.safetensors")
+    assert load_file(tmp_path / "model.safetensors").keys() == saved_weights.keys()
     model_code = {"configuration_mm_fusion.py", "modeling_mm_fusion.py", "pipeline_mm_fusion.py"}
-    assert model_code <= {p.name for p in (SAVED / name).glob("*.py")}  # what the old code saved with the model
+    assert model_code <= {p.name for p in (FIXTURES / saved / name).glob("*.py")}  # what the old code saved with it
     assert model_code <= {p.name for p in tmp_path.glob("*.py")}
 
 
@@ -102,31 +142,39 @@ REMOTE = BLOCK_MM_FUSION + textwrap.dedent(
     import transformers
     from safetensors.torch import load_file
 
-    saved = sys.argv[1]
-    expected = load_file(f"{saved}/expected.safetensors")
-    inputs = {k[len("input."):]: v for k, v in expected.items() if k.startswith("input.")}
-    for name, auto_class in (("vqa", "AutoModelForVisualQuestionAnswering"), ("pretrain", "AutoModelForPreTraining")):
-        model = getattr(transformers, auto_class).from_pretrained(f"{saved}/{name}", trust_remote_code=True).eval()
+    fixtures, models, texts = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
+    answers = {}
+    for saved, name, auto_class in models:
+        expected = load_file(f"{fixtures}/{saved}/expected.safetensors")
+        inputs = {k[len("input."):]: v for k, v in expected.items() if k.startswith("input.")}
+        path = f"{fixtures}/{saved}/{name}"
+        model = getattr(transformers, auto_class).from_pretrained(path, trust_remote_code=True).eval()
         assert type(model).__module__.startswith("transformers_modules"), type(model).__module__
         with torch.no_grad():
             outputs = model(**inputs)
         for key, value in expected.items():
             if key.startswith(name + "."):
                 torch.testing.assert_close(outputs[key[len(name) + 1:]], value, rtol=1e-5, atol=1e-6, msg=key)
-    pipe = transformers.pipeline("image-text-classification", model=f"{saved}/vqa", trust_remote_code=True)
-    assert type(pipe).__module__.startswith("transformers_modules"), type(pipe).__module__
-    answers = pipe(image=[f"{saved}/image.png"] * 2, question=json.loads(sys.argv[2]))
+        if auto_class == "AutoModelForVisualQuestionAnswering":
+            pipe = transformers.pipeline("image-text-classification", model=path, trust_remote_code=True)
+            assert type(pipe).__module__.startswith("transformers_modules"), type(pipe).__module__
+            found = pipe(image=[f"{fixtures}/{saved}/image.png"] * 2, question=texts)
+            answers[f"{saved}/{name}"] = [a[0]["answer"] for a in found]
     assert not [m for m in sys.modules if m == "mm_fusion" or m.startswith("mm_fusion.")]
-    print(json.dumps([a[0]["answer"] for a in answers]))
+    print(json.dumps(answers))
     """
 )
 
 
-def test_old_directory_loads_with_its_own_code_where_mm_fusion_is_not_importable(expected, tmp_path):
+def test_old_directory_loads_with_its_own_code_where_mm_fusion_is_not_importable(tmp_path):
+    """Every saved model, in one interpreter that cannot import mm_fusion: its outputs, and its pipeline's answers."""
+    models = [(saved, name, SAVED[saved][name].__name__) for saved, name in MODELS]
     run = subprocess.run(
-        [sys.executable, "-c", REMOTE, str(SAVED), json.dumps(TEXTS)], cwd=tmp_path, capture_output=True, text=True
+        [sys.executable, "-c", REMOTE, str(FIXTURES), json.dumps(models), json.dumps(TEXTS)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
     )
     assert run.returncode == 0, run.stderr[-3000:]
     answers = json.loads(run.stdout.strip().splitlines()[-1])
-    id2label = json.loads((SAVED / "vqa" / "config.json").read_text())["id2label"]
-    assert answers == [id2label[str(int(i))] for i in _outputs(expected, "vqa")["logits"].argmax(-1)]
+    assert answers == {f"{saved}/{name}": _answers(saved, name) for saved, name in ANSWERING}

@@ -235,7 +235,8 @@ def test_hierarchical_recipe_launches_the_model_it_describes(tmp_path):
     assert config["vision_text_attention"] is True and not config["vision_film"]
     assert config["num_fusion_layers"] == 1 and config["vision_bridge_layers"] == [3]
     assert config["vision_config"]["model_type"] == "resnet" and len(config["vision_config"]["hidden_sizes"]) == 3
-    assert len(trainer.model.mm_fusion.vision_text_attention.reads) == 3  # every stage after the stem reads
+    reads = trainer.model.mm_fusion.vision_encoder.vision_text_attention.reads
+    assert len(reads) == 3  # every stage after the stem reads
     assert config["text_bridge_layers"] == ["words"] and config["fusion_layer_order"] == "cross_first"
     assert config["joint_pooling"] == "text" and config["feature_map_bridge"] is False
     assert config["vision_position_embedding"] == "sine_attention"

@@ -271,7 +271,7 @@ def test_frozen_towers_keep_their_weights_and_statistics(tmp_path):
     trainer, before, changed = train_resnet_model(
         tmp_path, "--freeze_vision_model", "True", "--freeze_text_model", "True"
     )
-    towers = ("mm_fusion.vision_model.", "mm_fusion.text_model.")
+    towers = ("mm_fusion.vision_encoder.vision_model.", "mm_fusion.text_model.")
     assert any("running_mean" in k for k in before if k.startswith(towers))
     assert changed and not any(k.startswith(towers) for k in changed)
     assert any(k.startswith("mm_fusion.encoder.") for k in changed) and any(
@@ -294,9 +294,8 @@ def test_vision_batch_norm_momentum(tmp_path):
     trainer, before, _ = runs["0.5"]
     norms = [m for m in trainer.model.mm_fusion.vision_model.modules() if isinstance(m, torch.nn.BatchNorm2d)]
     assert norms and {m.momentum for m in norms} == {0.5}
-    keys = [
-        k for k in before if k.startswith("mm_fusion.vision_model.") and k.endswith(("running_mean", "running_var"))
-    ]
+    tower = "mm_fusion.vision_encoder.vision_model."
+    keys = [k for k in before if k.startswith(tower) and k.endswith(("running_mean", "running_var"))]
     half, batch = (runs[m][0].model.state_dict() for m in ("0.5", "1"))
     assert keys and not torch.allclose(batch[keys[-1]], before[keys[-1]])
     for key in keys:
@@ -312,10 +311,11 @@ def test_frozen_first_vision_stages_keep_their_weights_and_statistics(tmp_path):
     """`--freeze_vision_stages 2` on a ResNet tower: its stem and first stage (stages 0 and 1) keep their weights and
     batch-norm statistics, in eval mode, with no optimizer states; its last stage trains."""
     trainer, before, changed = train_resnet_model(tmp_path, "--freeze_vision_stages", "2")
-    early = ("mm_fusion.vision_model.embedder.", "mm_fusion.vision_model.encoder.stages.0.")
+    tower = "mm_fusion.vision_encoder.vision_model."
+    early = (f"{tower}embedder.", f"{tower}encoder.stages.0.")
     assert any("running_mean" in k for k in before if k.startswith(early))
     assert not any(k.startswith(early) for k in changed)
-    last = "mm_fusion.vision_model.encoder.stages.1."
+    last = f"{tower}encoder.stages.1."
     assert any(k.startswith(last) and "running_mean" in k for k in changed)
     assert any(k.startswith(last) and k.endswith("weight") for k in changed)
     in_optimizer = {id(p) for g in trainer.optimizer.param_groups for p in g["params"]}

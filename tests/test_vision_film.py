@@ -27,12 +27,12 @@ def randomise_film(model: torch.nn.Module, seed: int = 0) -> None:
 def test_film_maps_every_stage_after_the_stem(tester):
     resnet = MMFusionModel(film_config(tester))
     # ResNet: stem, stage1 (8 channels), stage2 (16): one scale and one shift per channel of each stage after the stem.
-    assert [layer.out_features for layer in resnet.vision_film.maps] == [16, 32]
+    assert [layer.out_features for layer in resnet.vision_encoder.vision_film.maps] == [16, 32]
     assert film_stages(resnet.vision_model, resnet.config.vision_config) is resnet.vision_model.encoder.stages
     mobilenet = MMFusionModel(film_config(tester, "mobilenet", "late"))
-    assert len(mobilenet.vision_film.maps) == 16  # every hidden_states map of MobileNetV2
+    assert len(mobilenet.vision_encoder.vision_film.maps) == 16  # every hidden_states map of MobileNetV2
     assert film_stages(mobilenet.vision_model, mobilenet.config.vision_config) is mobilenet.vision_model.layer
-    assert all(not p.detach().any() for p in resnet.vision_film.parameters())  # starts as the identity
+    assert all(not p.detach().any() for p in resnet.vision_encoder.vision_film.parameters())  # starts as the identity
 
 
 @pytest.mark.parametrize("fusion_type", ["hierarchical", "late"])
@@ -56,7 +56,7 @@ def check_each_image_conditioned_on_its_own_text(model, inputs: dict) -> None:
     with torch.no_grad():
         shared = model(**inputs, image_index=index, output_hidden_states=True)
         paired = model(**{**inputs, "pixel_values": inputs["pixel_values"][index]}, output_hidden_states=True)
-        unconditioned, _ = model.mm_fusion.encode_images(inputs["pixel_values"][index], output_hidden_states=True)
+        unconditioned, _ = model.mm_fusion.vision_encoder(inputs["pixel_values"][index], output_hidden_states=True)
     last = shared.vision_hidden_states[-1]
     assert last.shape[0] == 3  # one tower run per text
     assert not torch.allclose(last[0], last[1], atol=1e-4)  # same image, different texts
@@ -76,7 +76,7 @@ def test_film_trains_saves_and_reloads(tester, tmp_path):
     model = MMFusionForImageTextClassification(config).train()
     inputs = tester.inputs()
     model(**inputs, labels=torch.tensor([0, 1, 2])).loss.backward()
-    grads = [layer.weight.grad for layer in model.mm_fusion.vision_film.maps]
+    grads = [layer.weight.grad for layer in model.mm_fusion.vision_encoder.vision_film.maps]
     assert all(g is not None for g in grads) and sum(float(g.abs().sum()) for g in grads) > 0
     randomise_film(model)
     model.eval()
@@ -84,7 +84,7 @@ def test_film_trains_saves_and_reloads(tester, tmp_path):
     with torch.no_grad():
         expected = model(**inputs).logits
         torch.testing.assert_close(copied(**inputs).logits, expected)
-        for p in model.mm_fusion.vision_film.parameters():
+        for p in model.mm_fusion.vision_encoder.vision_film.parameters():
             p.zero_()
         torch.testing.assert_close(copied(**inputs).logits, expected)
         randomise_film(model)
@@ -134,11 +134,11 @@ def test_pytorch_draws_of_the_film_maps_and_the_layers_outside_the_towers(tester
     default = MMFusionForImageTextClassification(film_config(tester, fusion_type=fusion_type))
     torch.manual_seed(0)
     drawn = MMFusionForImageTextClassification(film_config(tester, fusion_type=fusion_type, init_scheme="pytorch"))
-    for layer in drawn.mm_fusion.vision_film.maps:
+    for layer in drawn.mm_fusion.vision_encoder.vision_film.maps:
         bound = 1 / layer.in_features**0.5
         assert layer.weight.abs().max() <= bound and layer.weight.std() > bound / 3  # uniform: std = bound / sqrt 3
         assert layer.bias.abs().max() <= bound and layer.bias.any()
-    assert all(not p.any() for p in default.mm_fusion.vision_film.parameters())
+    assert all(not p.any() for p in default.mm_fusion.vision_encoder.vision_film.parameters())
     layers = outside_the_towers(drawn)
     assert any(isinstance(m, torch.nn.Conv2d) for m in layers)  # the feature-map tokens' 1x1 projections
     for layer, normal in zip(layers, outside_the_towers(default)):

@@ -19,14 +19,14 @@ def text_attention_config(tester, tower: str = "resnet", fusion_type: str = "hie
 
 def test_every_stage_after_the_stem_reads_the_text(tester):
     resnet = MMFusionModel(text_attention_config(tester))
-    reads = resnet.vision_text_attention.reads
+    reads = resnet.vision_encoder.vision_text_attention.reads
     # ResNet: stem, stage1 (8 channels), stage2 (16): each stage's cells ask with queries from their own channels.
     assert [read.query.in_features for read in reads] == [8, 16]
     assert [read.output.out_features for read in reads] == [8, 16]
     assert {read.key.in_features for read in reads} == {resnet.config.text_config.hidden_size}
     assert film_stages(resnet.vision_model, resnet.config.vision_config) is resnet.vision_model.encoder.stages
     mobilenet = MMFusionModel(text_attention_config(tester, "mobilenet", "late"))
-    assert len(mobilenet.vision_text_attention.reads) == 16  # every hidden_states map of MobileNetV2
+    assert len(mobilenet.vision_encoder.vision_text_attention.reads) == 16  # every hidden_states map of MobileNetV2
 
 
 def test_each_cell_reads_for_itself_and_never_the_padding():
@@ -63,14 +63,14 @@ def test_text_attention_trains_saves_and_reloads(tester, tmp_path):
     model = MMFusionForImageTextClassification(config).train()
     inputs = tester.inputs()
     model(**inputs, labels=torch.tensor([0, 1, 2])).loss.backward()
-    grads = [read.query.weight.grad for read in model.mm_fusion.vision_text_attention.reads]
+    grads = [read.query.weight.grad for read in model.mm_fusion.vision_encoder.vision_text_attention.reads]
     assert all(g is not None for g in grads) and sum(float(g.abs().sum()) for g in grads) > 0
     model.eval()
     copied = copy.deepcopy(model)  # its hooks read through its own modules, not the original's
     with torch.no_grad():
         expected = model(**inputs).logits
         torch.testing.assert_close(copied(**inputs).logits, expected)
-        for p in model.mm_fusion.vision_text_attention.parameters():
+        for p in model.mm_fusion.vision_encoder.vision_text_attention.parameters():
             p.add_(1.0)
         torch.testing.assert_close(copied(**inputs).logits, expected)
         assert not torch.allclose(model(**inputs).logits, expected, atol=1e-4)
@@ -246,7 +246,7 @@ def test_reads_may_start_at_a_later_stage(tester, tmp_path):
     with it; a stage the tower does not have is refused, naming the setting."""
     config = text_attention_config(tester, vision_text_attention_from_stage=2)
     model = MMFusionForImageTextClassification(config)
-    reads = model.mm_fusion.vision_text_attention.reads
+    reads = model.mm_fusion.vision_encoder.vision_text_attention.reads
     assert [read.query.in_features for read in reads] == [16]  # the tiny ResNet's second stage only
     model.eval()
     inputs = tester.inputs()

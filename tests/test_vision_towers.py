@@ -161,8 +161,8 @@ def test_sine_attention_positions_are_added_after_the_fusion_layernorms(tester, 
         layer.image_block.self_attn.register_forward_pre_hook(keep("image_self"), with_kwargs=True)
         layer.image_block.self_attn_norm.register_forward_hook(lambda module, args, out: seen.__setitem__("norm", out))
     with torch.no_grad():
-        tokens = base.encode_images(inputs["pixel_values"])[1]
-        torch.testing.assert_close(tokens, unplaced.mm_fusion.encode_images(inputs["pixel_values"])[1])
+        tokens = base.vision_encoder(inputs["pixel_values"])[1]
+        torch.testing.assert_close(tokens, unplaced.mm_fusion.vision_encoder(inputs["pixel_values"])[1])
         out = base(**inputs, output_hidden_states=True)
         logits = model(**inputs).logits
         assert not torch.allclose(logits, unplaced(**inputs).logits, atol=1e-4)  # the positions reach the answer
@@ -180,11 +180,12 @@ def test_sine_attention_positions_are_added_after_the_fusion_layernorms(tester, 
     with torch.no_grad():
         torch.testing.assert_close(reloaded(**inputs).logits, logits)
         torch.testing.assert_close(reloaded(**wide).logits, model(**wide).logits)
-        wide_tokens = base.encode_images(wide["pixel_values"])[1][-1]
-    torch.testing.assert_close(base.feature_map_tokens.attention_positions(wide_tokens), sine_positions(8, 12, 32))
+        wide_tokens = base.vision_encoder(wide["pixel_values"])[1][-1]
+    positions = base.vision_encoder.feature_map_tokens.attention_positions(wide_tokens)
+    torch.testing.assert_close(positions, sine_positions(8, 12, 32))
     with pytest.raises(ValueError, match="12 tokens: not a square grid"):
-        MMFusionModel(config).feature_map_tokens.attention_positions(torch.zeros(1, 12, 32))
-    assert MMFusionModel(plain).feature_map_tokens.attention_positions(tokens[-1]) is None
+        MMFusionModel(config).vision_encoder.feature_map_tokens.attention_positions(torch.zeros(1, 12, 32))
+    assert MMFusionModel(plain).vision_encoder.feature_map_tokens.attention_positions(tokens[-1]) is None
 
 
 def test_flatten_image_pooling_keeps_where_features_are(tester):
@@ -252,8 +253,8 @@ def test_conv_stem_replaces_the_patchify(tester):
         out = model(**tester.inputs(), output_hidden_states=True)
     assert out.vision_hidden_states[0].shape == (3, 26, 32)  # 25 patches + CLS, as with the patchify
     keys = model.state_dict()
-    assert "vision_model.embeddings.patch_embeddings.projection.layers.0.1.running_mean" in keys
-    assert "vision_model.embeddings.patch_embeddings.projection.weight" not in keys
+    assert "vision_encoder.vision_model.embeddings.patch_embeddings.projection.layers.0.1.running_mean" in keys
+    assert "vision_encoder.vision_model.embeddings.patch_embeddings.projection.weight" not in keys
 
 
 def test_early_stage_parameters_are_the_stem_and_the_first_stages(tester):

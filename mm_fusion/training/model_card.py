@@ -288,7 +288,8 @@ def lora_summary(model, model_args, output_dir: str) -> dict:
         if ".vision_model." in name:  # the adapted tower's BatchNorm layers
             batch_norm = True
             continue
-        shown = ".".join(name.split(".")[:2])  # a head, or a module beside the towers (its layers, one each)
+        # A head, or a module beside the towers (its layers, one each), named without the vision encoder's prefix.
+        shown = ".".join(name.replace(".vision_encoder.", ".").split(".")[:2])
         if f"`{shown}`" not in trained:
             trained.append(f"`{shown}`")
     if batch_norm:

@@ -117,11 +117,11 @@ def parts(model) -> dict:
     fusion = model.mm_fusion
     tower = fusion.vision_model
     named = {"stem": tower.embedder}
-    for i, (stage, read) in enumerate(zip(tower.encoder.stages, fusion.vision_text_attention.reads)):
+    for i, (stage, read) in enumerate(zip(tower.encoder.stages, fusion.vision_encoder.vision_text_attention.reads)):
         named[f"stage {i + 1}"] = stage
         named[f"stage {i + 1} read"] = read
     named.update(
-        {"text tower": fusion.text_model, "tokens": fusion.feature_map_tokens, "fusion": fusion.encoder,
+        {"text tower": fusion.text_model, "tokens": fusion.vision_encoder.feature_map_tokens, "fusion": fusion.encoder,
          "head": model.classifier}
     )  # fmt: skip
     return named

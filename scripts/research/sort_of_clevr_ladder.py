@@ -749,15 +749,16 @@ class MMFusion(nn.Module):
         config.initializer_range = config.text_config.initializer_range = initializer_range
         self.model = MMFusionForImageTextClassification(config)
         if film_default_init:
-            for layer in self.model.mm_fusion.vision_film.maps:
+            for layer in self.model.mm_fusion.vision_encoder.vision_film.maps:
                 layer.reset_parameters()
         if film_init_std is not None:
-            for layer in self.model.mm_fusion.vision_film.maps:
+            for layer in self.model.mm_fusion.vision_encoder.vision_film.maps:
                 nn.init.normal_(layer.weight, std=film_init_std)
         if torch_init:  # every linear / 1x1 layer outside the towers and FiLM as PyTorch draws a new one
             base = self.model.mm_fusion
             towers = {id(m) for tower in (base.vision_model, base.text_model) for m in tower.modules()}
-            film = {id(m) for m in base.vision_film.modules()} if base.vision_film is not None else set()
+            film_maps = base.vision_encoder.vision_film
+            film = {id(m) for m in film_maps.modules()} if film_maps is not None else set()
             for module in self.model.modules():
                 if isinstance(module, (nn.Linear, nn.Conv2d)) and id(module) not in towers | film:
                     module.reset_parameters()

@@ -36,7 +36,7 @@ def test_levers_switch_what_they_name(profile, tiny_default_trainer):
         pixels = kwargs["pixel_values"]
         seen["channels_last"] = pixels.is_contiguous(memory_format=torch.channels_last) and not pixels.is_contiguous()
 
-    read = model.mm_fusion.vision_text_attention.reads[0]
+    read = model.mm_fusion.vision_encoder.vision_text_attention.reads[0]
     with torch.no_grad():
         for on in ((), profile.LEVERS):
             with profile.levers(model, on):
