@@ -182,10 +182,10 @@ def adapter_in_current_layout(model_dir: str | Path, into: str | Path) -> Path:
     renamings = get_checkpoint_conversion_mapping(MMFusionConfig.model_type)
 
     def current(name: str) -> str:  # a module or parameter name of a head, without peft's prefix
-        for renaming in renamings:
-            renamed, matched = renaming.rename_source_key(name)
+        for renaming in renamings:  # they match a module's name followed by a dot
+            renamed, matched = renaming.rename_source_key(f"{name}.")
             if matched is not None:
-                return renamed
+                return renamed[:-1]
         return name
 
     config = PeftConfig.from_pretrained(model_dir)

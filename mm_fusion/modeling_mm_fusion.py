@@ -1383,13 +1383,14 @@ class MMFusionModel(MMFusionPreTrainedModel):
 
 # Directories saved before the image side was the `vision_encoder` submodule name its parts at the bare model's top
 # level (`vision_model.*`, `feature_map_tokens.*`, `vision_film.*`, `vision_text_attention.*`, under `mm_fusion.` in a
-# head's). transformers' checkpoint conversion renames them on load and back on save, so saved directories keep one
-# format whichever version wrote or reads them. Registered here, not in `__init__`, so that a directory's own copy of
-# this file registers it where mm_fusion is not installed.
+# head's). transformers' checkpoint conversion inserts `vision_encoder.` on load and takes it out on save, so saved
+# directories keep one format whichever version wrote or reads them, and a bare model loads from a head's directory.
+# One pattern (as transformers' own renamings of a prefix are written): the head's prefix or none, captured, before
+# any of the parts. Registered here, not in `__init__`, so that a directory's copy of this file registers it where
+# mm_fusion is not installed.
+_PARTS = "|".join(f"{p}." for p in ("vision_model", "feature_map_tokens", "vision_film", "vision_text_attention"))
 SAVED_NAMES = [
-    WeightRenaming(f"^{prefix}{part}.", f"{prefix}vision_encoder.{part}.")
-    for prefix in (f"{MMFusionPreTrainedModel.base_model_prefix}.", "")
-    for part in ("vision_model", "feature_map_tokens", "vision_film", "vision_text_attention")
+    WeightRenaming(f"^({MMFusionPreTrainedModel.base_model_prefix}.|)(?={_PARTS})", r"\1vision_encoder."),
 ]
 register_checkpoint_conversion_mapping(MMFusionConfig.model_type, SAVED_NAMES, overwrite=True)
 
