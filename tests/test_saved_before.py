@@ -14,7 +14,13 @@ import torch
 from helpers.remote_code import BLOCK_MM_FUSION
 from PIL import Image
 from safetensors.torch import load_file
-from transformers import AutoModelForPreTraining, AutoModelForVisualQuestionAnswering, AutoProcessor, pipeline
+from transformers import (
+    AutoModel,
+    AutoModelForPreTraining,
+    AutoModelForVisualQuestionAnswering,
+    AutoProcessor,
+    pipeline,
+)
 
 import mm_fusion
 from mm_fusion.lora import merge_lora
@@ -76,6 +82,16 @@ def test_old_directory_loads_with_the_installed_code_and_gives_its_saved_outputs
         assert torch.equal(batch[key], inputs[key]), key
     with torch.no_grad():
         assert_saved_outputs(model(**inputs), saved, name)
+
+
+@pytest.mark.parametrize("saved,name", [(saved, name) for saved, name in ANSWERING if name != "lora"])
+def test_old_head_directory_loads_as_the_bare_model(saved, name):
+    """`AutoModel` on a head's directory: the bare model, the head's own fused output (the head's weights left out)."""
+    model = AutoModel.from_pretrained(FIXTURES / saved / name).eval()
+    assert type(model) is mm_fusion.MMFusionModel
+    with torch.no_grad():
+        pooled = model(**_inputs(saved)).pooler_output
+    torch.testing.assert_close(pooled, _outputs(saved, name)["pooler_output"], rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("saved,name", ANSWERING)
