@@ -14,6 +14,11 @@ for variable in ("HF_MODULES_CACHE", "HF_DATASETS_CACHE"):
     if variable not in os.environ:
         os.environ[variable] = tempfile.mkdtemp(prefix=f"mm_fusion_{variable.lower()}_")
         atexit.register(shutil.rmtree, os.environ[variable], ignore_errors=True)
+# Under pytest-xdist each worker gets its share of the cores, for its own torch and (inherited) the processes its
+# tests start: OpenMP threads beyond the cores spin against each other and slow every job many times over.
+_workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _workers > 1:
+    os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // _workers))
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

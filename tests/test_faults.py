@@ -266,9 +266,9 @@ def test_pickle_payloads_are_refused_on_every_loading_path(saved_run, tmp_path):
     assert not marker.exists()
 
 
-def _rank_flags(pairs: Path, out: Path) -> list[str]:
+def _rank_flags(pairs: Path, out: Path, ddp_timeout: int = 10) -> list[str]:
     flags = ["--per_device_train_batch_size", "4", "--num_train_epochs", "50", "--eval_strategy", "no",
-             "--save_strategy", "no", "--ddp_timeout", "10"]  # fmt: skip
+             "--save_strategy", "no", "--ddp_timeout", str(ddp_timeout)]  # fmt: skip
     return [*user_flags(pairs), *TINY, "--output_dir", str(out), *flags]
 
 
@@ -287,14 +287,16 @@ def test_a_stalled_rank_ends_the_run_within_the_ddp_timeout(pairs, tmp_path):
 @pytest.mark.parametrize("fault, shows", [("raise@3:1", "injected failure at step 3 on rank 1"),
                                           ("kill@3:1", "Signal 9 (SIGKILL) received by PID")])  # fmt: skip
 def test_a_dead_rank_ends_the_run_at_once_with_its_error(pairs, tmp_path, fault, shows):
-    code, output, seconds = run_worker(tmp_path / "r.jsonl", fault, _rank_flags(pairs, tmp_path / "o"), processes=2,
-                                       timeout=300)  # fmt: skip
+    """The other rank does not wait for the dead one at its next collective: the run ends long before the DDP timeout
+    (300 s here) that a rank left waiting would end on, whatever else the machine is doing."""
+    flags = _rank_flags(pairs, tmp_path / "o", ddp_timeout=300)
+    code, output, seconds = run_worker(tmp_path / "r.jsonl", fault, flags, processes=2, timeout=600)
     assert code != 0
     summary = output[output.rindex("Root Cause") :] if "raise" in fault else output
     assert shows in summary, output[-3000:]
     steps = [r["step"] for r in read_records(tmp_path / "r.jsonl.rank0")]
     assert max(steps) <= 4  # rank 0 did not train on alone
-    assert seconds < 15, seconds
+    assert seconds < 60, seconds
 
 
 # A user's jsonl mixing good rows with every bad kind the pipeline knows, and images it converts.
