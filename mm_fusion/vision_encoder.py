@@ -74,6 +74,19 @@ class MMFusionVisionEncoder(nn.Module):
     Args:
         config ([`MMFusionConfig`]):
             The model's configuration (its `vision_config`, and the settings named above).
+
+    Example:
+
+    ```python
+    >>> import torch
+    >>> from mm_fusion import MMFusionConfig, MMFusionModel
+
+    >>> model = MMFusionModel(MMFusionConfig()).eval()
+    >>> pixels = torch.randint(0, 256, (2, 3, 224, 224), dtype=torch.uint8)
+    >>> vision_out, features = model.vision_encoder(pixels)  # one token map per bridge layer
+    >>> features[-1].shape
+    torch.Size([2, 197, 384])
+    ```
     """
 
     def __init__(self, config: MMFusionConfig):
