@@ -11,6 +11,7 @@ job (`image_mean` / `image_std` in its config), on its device.
 import io
 import math
 import os
+import re
 from typing import Any
 
 import numpy as np
@@ -62,6 +63,9 @@ def to_rgb(image: Image.Image) -> Image.Image:
         background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
         return Image.alpha_composite(background, rgba).convert("RGB")
     return image.convert("RGB")
+
+
+_URL = re.compile(r"[a-zA-Z][a-zA-Z0-9+.-]*://")  # http://, https://, s3://, gs://...
 
 
 def _resolve_path(path: str, data_root: str | None) -> str:
@@ -120,6 +124,8 @@ def load_image(value: Any, data_root: str | None = None, max_pixels: int = MAX_I
             if not value:
                 raise BadSample("empty_file", "the image bytes are empty")
             stream, source = io.BytesIO(value), "<bytes>"
+        elif isinstance(value, str) and _URL.match(value):
+            raise BadSample("url_image", f"{value:.200} is a URL; URLs are not fetched: download the images first")
         elif isinstance(value, str) and value:
             source = _resolve_path(value, data_root)
             if not os.path.isfile(source):

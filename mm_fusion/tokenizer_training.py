@@ -22,6 +22,7 @@ def train_tokenizer(
     min_frequency: int = 1,
     lowercase: bool = True,
     model_max_length: int = 512,
+    show_progress: bool = True,
 ) -> PreTrainedTokenizerFast:
     """
     Train a BERT-style WordPiece tokenizer (`[CLS] text [SEP]`, `[PAD]` = id 0) on `texts` with the `tokenizers`
@@ -39,6 +40,9 @@ def train_tokenizer(
         model_max_length (`int`, *optional*, defaults to 512):
             Longest sequence the tokenizer will produce with `truncation=True`; match the text tower's
             `max_position_embeddings`.
+        show_progress (`bool`, *optional*, defaults to `True`):
+            Draw the `tokenizers` trainer's progress bars when sub-word merges are learned (on a terminal only: the
+            bars hide themselves when stderr is a file).
 
     Example:
 
@@ -60,7 +64,9 @@ def train_tokenizer(
         # Sub-word merges are needed. The trainer breaks ties between equally frequent merges differently from run to
         # run, so save the tokenizer with the model rather than retraining it.
         tokenizer = Tokenizer(models.WordPiece(unk_token=SPECIAL_TOKENS["unk_token"]))
-        trainer = trainers.WordPieceTrainer(vocab_size=vocab_size, min_frequency=min_frequency, special_tokens=special)
+        trainer = trainers.WordPieceTrainer(
+            vocab_size=vocab_size, min_frequency=min_frequency, special_tokens=special, show_progress=show_progress
+        )
         tokenizer.normalizer, tokenizer.pre_tokenizer = normalizer, pre_tokenizer
         tokenizer.train_from_iterator(texts, trainer=trainer)
     tokenizer.normalizer, tokenizer.pre_tokenizer = normalizer, pre_tokenizer

@@ -14,11 +14,13 @@ import time
 from torch.distributed.elastic.multiprocessing.errors import record
 from transformers.utils import logging as hf_logging
 
+from mm_fusion.data import DataError
 from mm_fusion.training import (
     MAIN_METRICS,
     MMFusionArgumentParser,
     build_model_and_processor,
     build_trainer,
+    check_data,
     final_metrics,
     load_training_data,
     save_run,
@@ -42,16 +44,28 @@ def main(argv: list[str] | None = None) -> dict:
     except (ValueError, FileNotFoundError) as err:
         parser.fail(err, status=2)
 
-    # 2. Data: the pairs, their columns and evaluation set checked, their labels encoded.
-    data = load_training_data(model_args, data_args, training_args)
+    # 2. Data: the pairs read, their columns, classes and evaluation set checked. A defect of the data (a broken line,
+    #    an unknown column, labels the head cannot predict) is one `error:` line naming the file and line, exit 2.
+    #    `--check_data` validates every row as the run would, prints a report and stops.
+    try:
+        data = load_training_data(model_args, data_args, training_args)
+        if data_args.check_data:
+            check_data(model_args, data_args, training_args, data)
+            return {}
+    except DataError as err:
+        parser.fail(err, status=2)
 
     # 3. Model: the tokenizer (given, the text tower's, or trained on the texts), the model (from a checkpoint, from
     #    pretrained towers, or from scratch) and the processor saved with it.
     model, processor = build_model_and_processor(model_args, data_args, training_args, data)
 
-    # 4. Trainer: the pairs preprocessed once into the Arrow cache, collators, the task's metrics, the monitor and the
+    # 4. Trainer: the pairs validated and preprocessed once into the Arrow cache (bad rows quarantined; too many of
+    #    them, or none left, stop the run with one `error:` line), collators, the task's metrics, the monitor and the
     #    model card.
-    trainer = build_trainer(model, processor, data, model_args, data_args, training_args, command=argv)
+    try:
+        trainer = build_trainer(model, processor, data, model_args, data_args, training_args, command=argv)
+    except DataError as err:
+        parser.fail(err, status=2)
 
     # 5. Train, or resume.
     train_result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)

@@ -124,7 +124,9 @@ def test_planted_bad_files_are_quarantined_with_reasons(corpus, tmp_path):
 
     on_disk = [json.loads(line) for line in report.read_text().splitlines()]
     assert on_disk == quarantine
-    assert all(set(q) == {"id", "source", "reason"} for q in on_disk)
+    assert all(set(q) == {"id", "source", "reason", "line"} for q in on_disk)
+    # Each entry names the line of pairs.jsonl its row is on (row i on line i + 1).
+    assert all(q["line"] == [r["id"] for r in corpus["rows"]].index(q["id"]) + 1 for q in on_disk if q["id"] != "dup")
 
     good_ids = [r["id"] for r in corpus["rows"] if r["id"].startswith("ok-")] + ["dup"]
     assert clean["id"] == good_ids  # every good row kept, in order

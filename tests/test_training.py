@@ -338,9 +338,9 @@ def test_early_stopping_stops_and_keeps_the_best(tmp_path):
 @pytest.mark.parametrize(
     "bad, message",
     [
-        (["--text_column", "nope"], "available columns"),
+        (["--text_column", "nope"], "'nope' is not a column of easy_vqa; its columns are id, image,"),
         (["--text_column", "image_id"], "must hold text"),
-        (["--label_column", "image_id", "--eval_split", "test"], "the training data does not"),
+        (["--label_column", "image_id", "--eval_split", "test"], "holds only the class '0' in 8 rows"),
         (
             ["--resume_from_checkpoint", "/tmp"],
             "is not a complete Trainer checkpoint: .*trainer_state.json is missing",

@@ -11,18 +11,21 @@ import json
 import logging
 import os
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 from accelerate import PartialState
-from datasets import Array3D, Dataset, DatasetDict, Features, List, Value, concatenate_datasets
+from datasets import Array3D, ClassLabel, Dataset, DatasetDict, Features, List, Value, concatenate_datasets
 from datasets import Image as ImageFeature
 from datasets.fingerprint import Hasher
 
-from ..image_processing_mm_fusion import MAX_IMAGE_PIXELS, BadSample, load_pixels
+from ..image_processing_mm_fusion import MAX_IMAGE_PIXELS, BadSample, load_image, to_pixels
 from .image_codec import choose_image_format, encode_pixels
+from .labels import class_names, label_name
+from .tables import LINE_COLUMN, DataError
 
 
 logger = logging.getLogger(__name__)
@@ -68,20 +71,27 @@ def prepare_images(
     `image_format` other than uint8 the pixels are stored as JPEG / lossless WebP bytes (`image_bytes`).
     """
     blank = np.zeros((3, image_size, image_size), dtype=np.uint8)
-    keys, pixels, errors, sources = [], [], [], []
+    keys, pixels, errors, sources, widths, heights = [], [], [], [], [], []
     for value in batch[image_column]:
         keys.append(image_key(value))
         sources.append(_describe_source(value))
         try:
-            pixels.append(load_pixels(value, image_size, data_root, max_pixels))  # the processor's function too
+            image = load_image(value, data_root, max_pixels)
+            pixels.append(to_pixels(image, image_size))  # as the processor's load_pixels does
             errors.append("")
+            widths.append(image.width)
+            heights.append(image.height)
         except BadSample as bad:
             pixels.append(blank)
             errors.append(f"{bad.reason}: {bad.detail}")
-    if image_format != "uint8":
-        return {"image_key": keys, "image_bytes": [encode_pixels(p, image_format) for p in pixels], "source": sources,
-                "error": errors}  # fmt: skip
-    return {"image_key": keys, "pixel_values": pixels, "source": sources, "error": errors}
+            widths.append(0)
+            heights.append(0)
+    stored = (
+        {"pixel_values": pixels}
+        if image_format == "uint8"
+        else {"image_bytes": [encode_pixels(p, image_format) for p in pixels]}
+    )
+    return {"image_key": keys, **stored, "source": sources, "error": errors, "width": widths, "height": heights}
 
 
 def prepare_texts(
@@ -94,23 +104,45 @@ def prepare_texts(
     text_column: str,
     id_column: str | None,
     label_column: str | None,
+    label_names: list[str] | None = None,
+    value_names: list[str] | None = None,
     max_length: int | None = None,
 ) -> dict[str, list]:
     """
     `Dataset.map(batched=True)` function over pairs: the pair's id, the key and row of its image in the images table,
-    its text tokenized without padding, and an `error` for a bad text or label.
+    its text tokenized without padding, its label as an index into `label_names` (-1 for none), and an `error` for a
+    bad text or label. Label values are class names ([`label_name`]); with `value_names` (a `ClassLabel` column's
+    names), indices into `value_names`; without `label_names`, class indices already.
     """
     n = len(batch[text_column])
     keys = [image_key(value) for value in batch[image_column]]
     errors = [""] * n
+    labels = []
     if label_column:
-        for i, label in enumerate(batch[label_column]):
-            if label is None or (isinstance(label, int) and label < 0):
-                errors[i] = f"bad_label: missing or negative label {label!r}"
+        index = {name: i for i, name in enumerate(label_names or ())}
+        for i, value in enumerate(batch[label_column]):
+            try:
+                if label_names is None:  # class indices already (a stream's, mapped by its reader)
+                    if not (isinstance(value, int) and value >= 0):
+                        raise BadSample("bad_label", f"missing or negative class index {value!r}")
+                    labels.append(value)
+                    continue
+                if value_names is not None:
+                    if not (isinstance(value, int) and 0 <= value < len(value_names)):
+                        raise BadSample("bad_label", f"no class has index {value!r}")
+                    value = value_names[value]
+                name = label_name(value)
+                if name not in index:
+                    raise BadSample("bad_label", f"{name!r} is not one of the {len(index)} classes")
+                labels.append(index[name])
+            except BadSample as bad:
+                errors[i] = f"{bad.reason}: {bad.detail}"
+                labels.append(-1)
     texts = []
     for i, text in enumerate(batch[text_column]):
-        if not isinstance(text, str) or not text.strip():
-            errors[i] = errors[i] or f"bad_text: expected a non-empty string, got {text!r}"
+        problem = text_problem(text)
+        if problem:
+            errors[i] = errors[i] or f"bad_text: {problem}"
             text = ""
         texts.append(text)
     encoded = tokenizer(texts, truncation=max_length is not None, max_length=max_length, padding=False)
@@ -123,9 +155,20 @@ def prepare_texts(
         "error": errors,
     }
     if label_column:
-        output["labels"] = batch[label_column]
+        output["labels"] = labels
     assert all(len(v) == n for v in output.values())  # every output column stays aligned with its input row
     return output
+
+
+def text_problem(text: Any) -> str:
+    """What makes a value no text to train on (`""` when it is one): absent, not a string, or blank."""
+    if text is None:
+        return "no text (null or absent)"
+    if not isinstance(text, str):
+        return f"a {type(text).__name__} where text should be: {text!r:.80}"
+    if not text.strip():
+        return f"an empty text {text!r}"
+    return ""
 
 
 @dataclass
@@ -141,12 +184,19 @@ class PreparedData:
             One row per distinct image (of every split): `image_key` and `pixel_values`, uint8 (3, S, S). Pairs that
             share an image point to the same row, so each image is decoded, stored and read once.
         quarantine (`list[dict]`):
-            The pairs left out, as `{"id", "source", "reason"}` (plus `"split"` for a `DatasetDict`).
+            The pairs left out, as `{"id", "source", "reason"}`, plus `"split"` for a `DatasetDict` and `"line"`, the
+            line of the table the row starts on, for a table read by [`read_table`].
+        label_names (`list[str]`, *optional*):
+            The classes the `labels` index, when a label column was given.
+        image_sizes (`np.ndarray`):
+            `(width, height)` of each usable distinct image as it was read, before resizing: `(N, 2)`.
     """
 
     pairs: Dataset | DatasetDict
     images: Dataset
     quarantine: list[dict[str, str]]
+    label_names: list[str] | None = None
+    image_sizes: np.ndarray | None = None
 
 
 def prepare_dataset(
@@ -157,6 +207,7 @@ def prepare_dataset(
     text_column: str = "text",
     id_column: str | None = None,
     label_column: str | None = None,
+    label_names: Sequence[str] | None = None,
     keep_columns: tuple[str, ...] = (),
     image_size: int = 224,
     data_root: str | None = None,
@@ -182,6 +233,10 @@ def prepare_dataset(
         image_column, text_column, id_column, label_column (`str`):
             Column names. Without an id column, ids are the row numbers (of each split). Ids from an id column must
             be unique across all splits: the first row with an id is kept and every later one is quarantined.
+        label_names (`list[str]`, *optional*):
+            The classes, in class-index order; labels are class names ([`mm_fusion.data.labels`]: `1` and `"1"` are
+            one class), or indices of a `ClassLabel` column. Default: a `ClassLabel` column's names, else the classes
+            of the first split's labels. A row whose label names no class is quarantined (`bad_label`).
         image_size (`int`, *optional*, defaults to 224):
             Images are resized to `image_size` x `image_size`.
         on_bad_sample (`str`, *optional*, defaults to `"skip"`):
@@ -208,13 +263,18 @@ def prepare_dataset(
         for name, column in [*columns.items(), *(("keep_columns", c) for c in keep_columns)]:
             if column is not None and column not in dataset.column_names:
                 where = f" (split {split!r})" if split else ""
-                raise ValueError(
+                raise DataError(
                     f"{name}={column!r} is not a column of this dataset{where}; available columns: "
-                    f"{dataset.column_names}."
+                    f"{[c for c in dataset.column_names if c != LINE_COLUMN]}."
                 )
         if isinstance(dataset.features[image_column], ImageFeature):
             # Undecoded, so that a corrupt file reaches our checks (and the quarantine) instead of failing in datasets.
             splits[split] = dataset.cast_column(image_column, ImageFeature(decode=False))
+    if label_column and label_names is None:
+        first = next(iter(splits.values()))
+        feature = first.features[label_column]
+        label_names = feature.names if isinstance(feature, ClassLabel) else class_names(first[label_column])
+    label_names = list(label_names) if label_column else None
 
     state = _distributed_state()
     with state.local_main_process_first():
@@ -223,12 +283,21 @@ def prepare_dataset(
         )
         prepared = {
             split: _prepare_texts(
-                dataset, tokenizer, images, image_rows, columns, keep_columns, max_length, num_proc, batch_size
+                dataset,
+                tokenizer,
+                images,
+                image_rows,
+                columns,
+                label_names,
+                keep_columns,
+                max_length,
+                num_proc,
+                batch_size,
             )
             for split, dataset in splits.items()
         }
 
-    image_table = images.select_columns(["source", "error"]).to_dict()
+    image_table = images.select_columns(["source", "error", "width", "height"]).to_dict()
     quarantine, pairs = [], {}
     first_rows: dict[str, str] = {}  # id -> where its first row is; row-number ids are only unique within a split
     for split, dataset in prepared.items():
@@ -236,7 +305,7 @@ def prepare_dataset(
         quarantine += [{**q, "split": split} for q in bad] if split else bad
         keep = set(bad_rows)
         clean = dataset.select([i for i in range(len(dataset)) if i not in keep]) if keep else dataset
-        pairs[split] = clean.remove_columns("error")
+        pairs[split] = clean.remove_columns(["error", *([LINE_COLUMN] if LINE_COLUMN in clean.column_names else [])])
     total = sum(len(d) for d in prepared.values())
     if quarantine:
         counts = Counter(q["reason"].split(":", 1)[0] for q in quarantine)
@@ -251,10 +320,13 @@ def prepare_dataset(
         os.makedirs(os.path.dirname(os.path.abspath(quarantine_path)), exist_ok=True)
         with open(quarantine_path, "w") as f:
             f.writelines(json.dumps(q) + "\n" for q in quarantine)
+    usable = [i for i, error in enumerate(image_table["error"]) if not error]
     return PreparedData(
         pairs=DatasetDict(pairs) if isinstance(data, DatasetDict) else pairs[""],
-        images=images.remove_columns(["source", "error"]),
+        images=images.remove_columns(["source", "error", "width", "height"]),
         quarantine=quarantine,
+        label_names=label_names,
+        image_sizes=np.array([(image_table["width"][i], image_table["height"][i]) for i in usable]).reshape(-1, 2),
     )
 
 
@@ -281,6 +353,8 @@ def _prepare_images(
                     image_rows[key] = len(image_rows)
                     first_uses.append(start + offset)
         parts.append(column.select(first_uses) if len(first_uses) < len(dataset) else column)
+    if len({repr(part.features[image_column]) for part in parts}) > 1:
+        parts = _common_image_column(parts, image_column)
     source = parts[0] if len(parts) == 1 else concatenate_datasets(parts)
     chosen = choose_image_format(image_format, len(source), image_size)
     if image_format == "auto" and chosen != "uint8":
@@ -306,6 +380,8 @@ def _prepare_images(
                 "image_bytes" if chosen != "uint8" else "pixel_values": pixels,
                 "source": Value("string"),
                 "error": Value("string"),
+                "width": Value("int32"),
+                "height": Value("int32"),
             }
         ),
         remove_columns=[image_column],
@@ -316,12 +392,24 @@ def _prepare_images(
     return images, image_rows
 
 
+def _common_image_column(parts: list[Dataset], image_column: str) -> list[Dataset]:
+    """The image columns of splits read from different forms (a CSV's paths as `string`, a JSON file's as
+    `large_string`, a Parquet file's `Image` structs) cast to one type, so that they form one images table: `Image`
+    (undecoded; a path stays a path) when any split has one, else text."""
+    if any(isinstance(part.features[image_column], ImageFeature) for part in parts):
+        target = ImageFeature(decode=False)
+    else:
+        target = Value("large_string")
+    return [part.cast_column(image_column, target) for part in parts]
+
+
 def _prepare_texts(
     dataset: Dataset,
     tokenizer,
     images: Dataset,
     image_rows: dict[str, int],
     columns: dict[str, str | None],
+    label_names: list[str] | None,
     keep_columns: tuple[str, ...],
     max_length: int | None,
     num_proc: int | None,
@@ -329,6 +417,10 @@ def _prepare_texts(
 ) -> Dataset:
     """Tokenize a split's texts and link each pair to its image row; bad text / labels are marked in `error`."""
     label_column = columns["label_column"]
+    label_feature = dataset.features[label_column] if label_column else None
+    value_names = list(label_feature.names) if isinstance(label_feature, ClassLabel) else None
+    if LINE_COLUMN in dataset.column_names:  # kept for the quarantine report
+        keep_columns = (*keep_columns, LINE_COLUMN)
     features = Features(
         {
             "id": Value("string"),
@@ -337,7 +429,7 @@ def _prepare_texts(
             "input_ids": List(Value("int32")),
             "length": Value("int32"),
             "error": Value("string"),
-            **({"labels": dataset.features[label_column]} if label_column else {}),
+            **({"labels": ClassLabel(names=label_names)} if label_column else {}),
             **{c: dataset.features[c] for c in keep_columns},
         }
     )
@@ -350,6 +442,8 @@ def _prepare_texts(
             prepare_texts,
             tokenizer_fingerprint(tokenizer),
             columns,
+            label_names,
+            value_names,
             max_length,
             list(keep_columns),
         ]
@@ -362,7 +456,14 @@ def _prepare_texts(
         num_proc=num_proc if num_proc and len(dataset) >= num_proc else None,
         features=features,
         remove_columns=[c for c in dataset.column_names if c not in keep_columns],
-        fn_kwargs={"tokenizer": tokenizer, "image_rows": image_rows, "max_length": max_length, **columns},
+        fn_kwargs={
+            "tokenizer": tokenizer,
+            "image_rows": image_rows,
+            "max_length": max_length,
+            "label_names": label_names,
+            "value_names": value_names,
+            **columns,
+        },
         new_fingerprint=fingerprint,
         desc="Tokenizing and linking pairs to images",
     )
@@ -397,7 +498,8 @@ def _quarantine(
     split or, with `first_rows` shared between splits, of an earlier split): their row indices and report entries.
     The first row of an id is kept; `first_rows` records where it is.
     """
-    table = pairs.select_columns(["id", "image_index", "error"]).to_dict()
+    lines = LINE_COLUMN in pairs.column_names
+    table = pairs.select_columns(["id", "image_index", "error", *([LINE_COLUMN] if lines else [])]).to_dict()
     bad_rows, quarantine = [], []
     for row, (sample_id, image, error) in enumerate(zip(table["id"], table["image_index"], table["error"])):
         if image < 0:
@@ -413,4 +515,6 @@ def _quarantine(
         if error:
             bad_rows.append(row)
             quarantine.append({"id": sample_id, "source": source, "reason": error})
+            if lines and table[LINE_COLUMN][row] is not None:
+                quarantine[-1]["line"] = table[LINE_COLUMN][row]
     return bad_rows, quarantine

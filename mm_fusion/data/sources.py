@@ -4,7 +4,9 @@ import os
 import re
 from collections.abc import Sequence
 
-from datasets import ClassLabel, Dataset, DatasetDict, Features, Value, load_dataset
+from datasets import ClassLabel, Dataset, DatasetDict, Features, Value
+
+from .tables import read_table
 
 
 def load_easy_vqa(splits: Sequence[str] = ("train", "test")) -> DatasetDict:
@@ -80,21 +82,11 @@ def easy_vqa_question_type(question: str, answer: str) -> str:
 
 def load_pairs(source: str | os.PathLike | Dataset, split: str = "train", **load_kwargs) -> Dataset:
     """
-    Image-text pairs from a local json / jsonl / csv file (an image-path column relative to a data root, a text
-    column), an `imagefolder` directory with `metadata.jsonl`, a `datasets.Dataset` (e.g. with an `Image` column),
-    or, for users with the hub, a dataset name. Column names are chosen later, in `prepare_dataset`.
+    Image-text pairs from a table in any form [`read_table`] reads (json / jsonl / csv / tsv / parquet files, a
+    `save_to_disk` directory, an imagefolder with `metadata.jsonl` / `metadata.csv`, a hub data set name for users with
+    the hub), or a `datasets.Dataset` (e.g. with an `Image` column), as it is. A defect of the table is a
+    [`DataError`] naming its file and line. Column names are chosen later, in `prepare_dataset`.
     """
     if isinstance(source, Dataset):
         return source
-    path = os.fspath(source)
-    if os.path.isfile(path):
-        extension = path.rsplit(".", 1)[-1].lower()
-        builder = {"jsonl": "json", "json": "json", "csv": "csv"}.get(extension)
-        if builder is None:
-            raise ValueError(f"Cannot read pairs from {path!r}: expected a .json, .jsonl or .csv file.")
-        return load_dataset(builder, data_files={split: path}, split=split, **load_kwargs)
-    if os.path.isdir(path):
-        if not os.path.isfile(os.path.join(path, "metadata.jsonl")):
-            raise ValueError(f"{path!r} is a directory without metadata.jsonl; an imagefolder of pairs needs one.")
-        return load_dataset("imagefolder", data_dir=path, split=split, **load_kwargs)
-    return load_dataset(path, split=split, **load_kwargs)
+    return read_table(source, split=split, **load_kwargs)

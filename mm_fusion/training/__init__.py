@@ -2,7 +2,7 @@
 Training with `Trainer` / Accelerate, the library side of `scripts/train.py`, a module a step: `arguments` (1, parse),
 `data_path` (2, the pairs, on the Arrow path of `data` or the streaming one of `streaming`), `models` (3, tokenizer,
 model, processor), `run` (4 to 7: trainer, evaluation, saving), with the trainer and its units (one per feature),
-its monitor, metrics, checkpoints, samplers, gradient cache and model card beside them.
+its monitor and progress lines, metrics, checkpoints, samplers, gradient cache and model card beside them.
 
 Not imported by `mm_fusion` itself: the library never pulls in the training stack (open_clip's split).
 """
@@ -17,7 +17,7 @@ from .arguments import (
     settle_arguments,
     training_defaults,
 )
-from .callbacks import MMFusionMonitorCallback, add_monitor
+from .callbacks import MMFusionMonitorCallback, MMFusionProgressLogCallback, add_monitor
 from .checkpoints import (
     CheckpointError,
     checkpoint_problem,
@@ -29,12 +29,14 @@ from .data import (
     build_collators,
     check_columns,
     check_eval_data,
-    encode_labels,
+    check_labels,
+    check_usable,
     load_raw_datasets,
     parse_overrides,
     prepare_training_data,
     split_off_eval,
 )
+from .data_check import check_data, data_report
 from .data_path import load_training_data
 from .grad_cache import ITCGradCache, build_itc_cache, cached_micro_batch_loss, train_window
 from .launch import check_launch
@@ -56,6 +58,7 @@ __all__ = [
     "MMFusionLengthGroupedSampler",
     "MMFusionModelCard",
     "MMFusionMonitorCallback",
+    "MMFusionProgressLogCallback",
     "MMFusionTrainer",
     "MMFusionTrainingArguments",
     "ModelArguments",
@@ -69,12 +72,15 @@ __all__ = [
     "build_tokenizer",
     "build_trainer",
     "cached_micro_batch_loss",
+    "data_report",
     "check_columns",
     "check_eval_data",
+    "check_data",
     "check_launch",
     "checkpoint_problem",
     "classification_metrics",
-    "encode_labels",
+    "check_labels",
+    "check_usable",
     "final_metrics",
     "load_checkpoint_weights",
     "load_metric",

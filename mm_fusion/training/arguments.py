@@ -16,6 +16,7 @@ import torch
 from transformers import TrainingArguments
 
 from ..cli import ScriptArgumentParser
+from .callbacks import disable_library_progress_bars, progress_bars_shown
 from .checkpoints import resolve_resume_checkpoint
 from .launch import check_launch
 from .model_presets import DEFAULT_PRESET, load_model_preset, preset_names
@@ -306,6 +307,22 @@ class DataArguments:
     max_eval_samples: int | None = field(default=None, metadata={"help": "Use only the first N evaluation pairs."})
     preprocessing_num_workers: int | None = field(default=None, metadata={"help": "num_proc of the cached maps."})
     on_bad_sample: str = field(default="skip", metadata={"help": "skip (quarantine report) or error."})
+    max_bad_fraction: float = field(
+        default=0.1,
+        metadata={
+            "help": "Stop before training when more than this fraction of the training or evaluation rows is "
+            "unusable (a missing image, a null label...: output_dir/quarantine.jsonl lists them), with one line that "
+            "names the most common reason and its likely cause. 1: train on whatever is left (never on nothing)."
+        },
+    )
+    check_data: bool = field(
+        default=False,
+        metadata={
+            "help": "Check the data without training: load and validate it exactly as this command would train on "
+            "it, print a report (rows, classes and their counts, rows left out by reason with examples, image "
+            "sizes), write output_dir/quarantine.jsonl and exit: 0 when it would train, 2 when it would refuse."
+        },
+    )
     augment: bool = field(
         default=False,
         metadata={"help": "Random horizontal / vertical flips of the training images, drawn anew every batch."},
@@ -355,6 +372,8 @@ class DataArguments:
             raise ValueError(f"--ablation must be one of {', '.join(ABLATIONS)}, got {self.ablation!r}.")
         if self.eval_split == "":
             self.eval_split = None
+        if not 0 <= self.max_bad_fraction <= 1:
+            raise ValueError(f"--max_bad_fraction must be a fraction from 0 to 1, got {self.max_bad_fraction}.")
         if self.shuffle_buffer_size < 0:
             raise ValueError(
                 f"--shuffle_buffer_size must be a number of rows, 0 or more (0: no shuffle buffer), got "
@@ -409,6 +428,14 @@ class MMFusionTrainingArguments(TrainingArguments):
     save_steps: float = field(default=0.5, metadata={"help": "Checkpoint every N steps (< 1: a fraction)."})
     save_total_limit: int | None = field(default=2, metadata={"help": "Checkpoints kept."})
     logging_steps: float = field(default=50, metadata={"help": "Log every N steps."})
+    disable_tqdm: bool | None = field(
+        default=None,
+        metadata={
+            "help": "No progress bars (Trainer's, datasets' and saving's): the logs' metrics are printed as they "
+            "come, and a line every 5%% of the steps says where the run stands. Default: bars on a terminal or in a "
+            "notebook, lines when the output goes to a file (CI, nohup, Slurm), where each redraw would stay."
+        },
+    )
     report_to: None | str | list[str] = field(default="none", metadata={"help": "tensorboard, wandb, ... or none."})
     dataloader_num_workers: int = field(
         default=-1,
@@ -504,6 +531,10 @@ class MMFusionTrainingArguments(TrainingArguments):
     )
 
     def __post_init__(self):
+        if self.disable_tqdm is None and not progress_bars_shown():
+            # A file, not a terminal: each redraw of a bar would stay in it. Progress is logged as lines instead
+            # (MMFusionProgressLogCallback); a `--disable_tqdm` given either way is kept.
+            self.disable_tqdm = True
         # None: the default, which `--lora` changes (settle_arguments); TrainingArguments needs a number meanwhile.
         self.learning_rate_is_default = self.learning_rate is None
         if self.learning_rate is None:
@@ -613,11 +644,15 @@ def settle_arguments(
     own fields in `__post_init__`): the launch checked against this machine; the defaults that follow from the task and
     the data path (`group_by_image`, the retrieval labels of pretraining, the metric early stopping watches); what a
     streaming run needs; `--lora`'s learning rate, gradient checkpointing (`--lora_gradient_checkpointing`) and
-    allocator (`--release_freed_memory`); and
+    allocator (`--release_freed_memory`); the progress bars of `datasets` and of saving turned off with Trainer's
+    (`--disable_tqdm`, for the rest of the process); and
     the checkpoint to resume from, found and checked (`last`: the newest complete one).
     `--config_overrides` checked against MMFusionConfig; changes the arguments in place and returns them.
     """
     check_launch(training_args)
+    if training_args.disable_tqdm:
+        # Before any data is read: the bars of datasets' maps and of saving follow Trainer's, on or off together.
+        disable_library_progress_bars()
     from .models import check_config_overrides  # models.py builds on this module
 
     check_config_overrides(model_args, data_args.image_size, data_args.max_length)
@@ -690,6 +725,13 @@ class MMFusionArgumentParser(ScriptArgumentParser):
             "(scripts/configs/ has examples), and flags after it override its values.",
         )
         super().__init__((ModelArguments, DataArguments, MMFusionTrainingArguments), **kwargs)
+
+    def fail(self, error: BaseException | str, status: int = 1):
+        """[`ScriptArgumentParser.fail`], printed by the first process of a multi-process launch only: every rank
+        meets the same error, and the user reads it once."""
+        if int(os.environ.get("RANK", "0")) != 0:
+            self.exit(status)
+        super().fail(error, status)
 
     def parse_args_and_config(
         self, args: list[str] | None = None

@@ -1,14 +1,25 @@
-"""Training monitor: throughput, time spent waiting for data, peak memory and MFU, logged with Trainer's logs."""
+"""
+The callbacks of a training run: the monitor (throughput, time spent waiting for data, peak memory and MFU, logged with
+Trainer's logs) and, where the output is a file rather than a terminal, progress as log lines instead of bars.
+"""
 
 import logging
+import math
 import resource
+import sys
 import time
+from typing import TextIO
 
+import datasets
 import torch
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+from transformers.utils import is_in_notebook
+from transformers.utils import logging as hf_logging
 
 
 logger = logging.getLogger(__name__)
+# The progress lines are part of the story of the run, which scripts/train.py and run.py tell under this name.
+progress_logger = logging.getLogger("mm_fusion.train")
 
 # Dense bf16/fp16 tensor-core peaks (TFLOP/s, no sparsity), from the vendors' data sheets; matched by device name.
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 125.0, "L4": 121.0, "V100": 125.0}
@@ -128,3 +139,109 @@ def add_monitor(trainer, **kwargs) -> MMFusionMonitorCallback:
     monitor = MMFusionMonitorCallback(**kwargs)
     trainer.callback_handler.callbacks.insert(0, monitor)
     return monitor
+
+
+def progress_bars_shown(stream: TextIO | None = None) -> bool:
+    """
+    Whether progress bars drawn on `stream` (default `sys.stderr`) are seen as bars: on a terminal, or in a notebook
+    (which draws them as widgets). A file, a pipe or a Slurm log keeps every redraw of a bar, carriage return included.
+    """
+    stream = sys.stderr if stream is None else stream
+    return is_in_notebook() or bool(stream is not None and hasattr(stream, "isatty") and stream.isatty())
+
+
+def disable_library_progress_bars() -> None:
+    """Turn off, for the rest of the process, the progress bars that Trainer's `disable_tqdm` does not reach: those of
+    `datasets` (loading, the preprocessing maps) and of transformers / huggingface_hub (saving, downloads)."""
+    datasets.disable_progress_bars()
+    hf_logging.disable_progress_bar()
+
+
+def format_duration(seconds: float) -> str:
+    """`41 s`, `12 min`, `3 h 05 min`: as precise as an estimate of time left deserves."""
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    minutes = round(seconds / 60)
+    if minutes < 90:
+        return f"{minutes} min"
+    return f"{minutes // 60} h {minutes % 60:02d} min"
+
+
+class MMFusionProgressLogCallback(TrainerCallback):
+    """
+    Progress as log lines, for a run whose output goes to a file (CI, nohup, Slurm), where tqdm's bar would write a
+    carriage-return redraw per step. With `disable_tqdm`, Trainer swaps its bar for `PrinterCallback`, which prints
+    each log's metrics but not where the run stands; this callback adds one line every `every` of the optimizer steps:
+
+        step 106 of 2110 (5%), epoch 0.18, 42 s elapsed, about 13 min left
+
+    and one when an evaluation starts (its metrics are `PrinterCallback`'s). The time left is the pace of the steps
+    this `train()` call has made so far, evaluations and checkpoints included. Only the main process logs.
+
+    Args:
+        every (`float`, *optional*, defaults to 0.05):
+            The share of `state.max_steps` between two lines.
+
+    Example:
+
+    ```python
+    >>> from mm_fusion.training import MMFusionProgressLogCallback
+
+    >>> trainer.add_callback(MMFusionProgressLogCallback(every=0.1))  # doctest: +SKIP
+    ```
+    """
+
+    def __init__(self, every: float = 0.05):
+        if not 0 < every <= 1:
+            raise ValueError(f"every must be a share of the run in (0, 1], got {every}.")
+        self.every = every
+        self._start_time = self._start_step = None
+        self._next = 0  # the step at which the next line is due
+        self._evaluating = False
+
+    def _mark_after(self, step: int, max_steps: int) -> int:
+        """The first step past `step` that ends a share of the run (max_steps when fewer steps than shares)."""
+        share = math.floor(step / max_steps / self.every + 1e-9) + 1
+        return min(max_steps, max(step + 1, math.ceil(share * self.every * max_steps - 1e-9)))
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self._start_time, self._start_step = time.perf_counter(), state.global_step
+        self._next = self._mark_after(state.global_step, state.max_steps) if state.max_steps > 0 else math.inf
+        if state.is_world_process_zero and state.max_steps > 0:
+            progress_logger.info(
+                "training %d optimizer steps%s, a line every %g%%",
+                state.max_steps,
+                f" from step {state.global_step}" if state.global_step else "",
+                100 * self.every,
+            )
+
+    def on_step_end(self, args, state, control, **kwargs):
+        step, total = state.global_step, state.max_steps
+        if self._start_time is None or step < self._next:
+            return
+        self._next = self._mark_after(step, total)
+        if not state.is_world_process_zero:
+            return
+        elapsed = time.perf_counter() - self._start_time
+        line = f"step {step} of {total} ({100 * step / total:.0f}%), epoch {state.epoch or 0:.2f}, "
+        line += f"{format_duration(elapsed)} elapsed"
+        if self._start_step < step < total:
+            left = elapsed / (step - self._start_step) * (total - step)
+            line += f", about {format_duration(left)} left"
+        progress_logger.info(line)
+
+    def on_prediction_step(self, args, state, control, eval_dataloader=None, **kwargs):
+        if self._evaluating or not state.is_world_process_zero:
+            return
+        self._evaluating = True
+        try:
+            count = len(eval_dataloader)
+            batches = f" {count} batch{'es' if count != 1 else ''}"
+        except TypeError:  # a stream, or no loader given
+            batches = ""
+        progress_logger.info("evaluating%s at step %d", batches, state.global_step)
+
+    def on_evaluate(self, args, state, control, **kwargs):
+        self._evaluating = False
+
+    on_predict = on_evaluate

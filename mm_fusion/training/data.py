@@ -10,10 +10,12 @@ Step 2 of `scripts/train.py`, the data, on one of two paths ([`DataPath`]), whic
   are read.
 """
 
+import difflib
 import inspect
 import json
 import os
 import re
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,13 +23,19 @@ from pathlib import Path
 from datasets import ClassLabel, Dataset, DatasetDict, Json, Value
 
 from ..data import (
+    LINE_COLUMN,
+    BadSample,
+    DataError,
     ImageTextCollator,
     PreparedData,
+    class_names,
+    label_name,
     load_easy_vqa,
     load_fashion_mnist,
     load_pairs,
     load_sort_of_clevr,
     prepare_dataset,
+    saved_splits,
 )
 from ..data.fashion_mnist import vocabulary_texts as fashion_mnist_texts
 from ..data.sort_of_clevr import vocabulary_texts as sort_of_clevr_texts
@@ -111,12 +119,10 @@ def load_arrow_data(model_args: ModelArguments, data_args: DataArguments, traini
     data = load_raw_datasets(data_args, seed=training_args.seed, task=task)
     check_columns(data, data_args, task)
     check_eval_data(data, data_args, training_args)
-    labels = None
-    if task != "pretrain":
-        data, labels = encode_labels(data, data_args.label_column)
+    labels = check_labels(data, data_args) if task != "pretrain" else None
     group_columns = [c.strip() for c in (data_args.eval_group_columns or "").split(",") if c.strip()]
     if group_columns and task == "pretrain":
-        raise ValueError("--eval_group_columns reports accuracy per group, for vqa / classify; not for pretrain.")
+        raise DataError("--eval_group_columns reports accuracy per group, for vqa / classify; not for pretrain.")
     return TrainingData(data, labels, group_columns, path=ARROW)
 
 
@@ -133,8 +139,23 @@ def arrow_tokenizer_texts(data: TrainingData, data_args: DataArguments) -> list[
 def prepare_training_data(
     data: TrainingData, tokenizer, image_size: int, task: str, data_args: DataArguments, training_args
 ) -> PreparedData:
-    """The pairs validated, tokenized and their images resized once into the Arrow cache ([`prepare_dataset`]); bad
-    rows go to `output_dir/quarantine.jsonl`."""
+    """The pairs validated, tokenized and their images resized once into the Arrow cache ([`prepare_pairs`]); bad
+    rows go to `output_dir/quarantine.jsonl`, and too many of them stop the run ([`check_usable`])."""
+    prepared = prepare_pairs(data, tokenizer, image_size, task, data_args, training_args)
+    check_usable(prepared, data_args, quarantine_file(training_args))
+    return prepared
+
+
+def quarantine_file(training_args) -> Path:
+    """Where a run lists the rows it left out, with their reasons."""
+    return Path(training_args.output_dir) / "quarantine.jsonl"
+
+
+def prepare_pairs(
+    data: TrainingData, tokenizer, image_size: int, task: str, data_args: DataArguments, training_args
+) -> PreparedData:
+    """[`prepare_dataset`] with the run's columns, classes and settings; the quarantine report in
+    [`quarantine_file`]."""
     return prepare_dataset(
         data.datasets,
         tokenizer,
@@ -142,12 +163,13 @@ def prepare_training_data(
         text_column=data_args.text_column,
         id_column=data_args.id_column,
         label_column=data_args.label_column if task != "pretrain" else None,
+        label_names=data.labels,
         keep_columns=tuple(data.group_columns),
         image_size=image_size,
         data_root=data_args.data_root,
         max_length=data_args.max_length,
         on_bad_sample=data_args.on_bad_sample,
-        quarantine_path=Path(training_args.output_dir) / "quarantine.jsonl",
+        quarantine_path=quarantine_file(training_args),
         num_proc=data_args.preprocessing_num_workers,
         image_format=data_args.image_format,
     )
@@ -187,7 +209,7 @@ def load_raw_datasets(data_args: DataArguments, seed: int = 42, task: str = "vqa
     pretrain.
     """
     if data_args.dataset_options and data_args.dataset not in GENERATED:
-        raise ValueError(f"--dataset_options is for --dataset {' / '.join(GENERATED)}, not {data_args.dataset!r}.")
+        raise DataError(f"--dataset_options is for --dataset {' / '.join(GENERATED)}, not {data_args.dataset!r}.")
     if data_args.dataset in ("easy_vqa", *GENERATED):
         splits = [data_args.train_split] + ([data_args.eval_split] if data_args.eval_split else [])
         if data_args.dataset == "easy_vqa":
@@ -201,7 +223,7 @@ def load_raw_datasets(data_args: DataArguments, seed: int = 42, task: str = "vqa
             known = set(inspect.signature(load).parameters) - {"splits", "rows"}
             unknown = sorted(set(options) - known)
             if unknown:
-                raise ValueError(f"--dataset_options: unknown option(s) {unknown}; the options are {sorted(known)}.")
+                raise DataError(f"--dataset_options: unknown option(s) {unknown}; the options are {sorted(known)}.")
             raw = load(splits, rows="captions" if captions else "questions", **options)
             columns = SORT_OF_CLEVR_CAPTION_COLUMNS if captions else SORT_OF_CLEVR_COLUMNS
             if not captions and data_args.eval_group_columns is None:
@@ -213,12 +235,18 @@ def load_raw_datasets(data_args: DataArguments, seed: int = 42, task: str = "vqa
         if data_args.eval_split:
             data["eval"] = raw[data_args.eval_split]
     else:
-        local = os.path.exists(data_args.dataset)
-        data = {"train": load_pairs(data_args.dataset, split=data_args.train_split if not local else "train")}
+        # A file is one split; a save_to_disk DatasetDict or a hub data set has several.
+        splits = saved_splits(data_args.dataset) if os.path.exists(data_args.dataset) else None
+        several = not os.path.exists(data_args.dataset) or bool(splits)
+        data = {"train": load_pairs(data_args.dataset, split=data_args.train_split if several else "train")}
         if data_args.eval_dataset:
-            data["eval"] = load_pairs(data_args.eval_dataset, split="train")
-        elif not local and data_args.eval_split:
-            data["eval"] = load_pairs(data_args.dataset, split=data_args.eval_split)
+            data["eval"] = load_pairs(
+                data_args.eval_dataset, split=evaluation_split(data_args.eval_dataset, data_args)
+            )
+        elif several and data_args.eval_split and not data_args.validation_split_percentage:
+            split = evaluation_split(data_args.dataset, data_args) if splits else data_args.eval_split
+            if split is not None:
+                data["eval"] = load_pairs(data_args.dataset, split=split)
     if "eval" not in data and data_args.validation_split_percentage:
         fraction = data_args.validation_split_percentage / 100
         data = split_off_eval(data["train"], fraction, seed=seed, id_column=data_args.id_column)
@@ -227,6 +255,25 @@ def load_raw_datasets(data_args: DataArguments, seed: int = 42, task: str = "vqa
     if "eval" in data and data_args.max_eval_samples is not None:
         data["eval"] = data["eval"].select(range(min(data_args.max_eval_samples, len(data["eval"]))))
     return DatasetDict(data)
+
+
+def evaluation_split(path: str, data_args: DataArguments) -> str | None:
+    """The split of a save_to_disk `DatasetDict` at `path` that evaluates: `--eval_split` when it has one, else its
+    `validation` or `test` split, else its only split; `"train"` for a path of one split; `None` when there is none
+    (for `--dataset`, whose `train` split is the training one)."""
+    splits = saved_splits(path) if os.path.exists(path) else None
+    if not splits:
+        return "train" if path == data_args.eval_dataset else data_args.eval_split
+    candidates = [data_args.eval_split, "validation", "test"]
+    if path == data_args.eval_dataset and len(splits) == 1:
+        candidates.append(splits[0])
+    found = next((split for split in candidates if split in splits), None)
+    if found is None and path == data_args.eval_dataset:
+        raise DataError(
+            f"--eval_dataset {path}: a DatasetDict without a {data_args.eval_split!r} split (--eval_split); its "
+            f"splits are {splits}."
+        )
+    return found
 
 
 def split_off_eval(dataset: Dataset, fraction: float, seed: int, id_column: str | None = None) -> dict[str, Dataset]:
@@ -251,11 +298,20 @@ def split_off_eval(dataset: Dataset, fraction: float, seed: int, id_column: str 
 def check_eval_data(data: DatasetDict, data_args: DataArguments, training_args) -> None:
     """An evaluation strategy without evaluation pairs is an error now, not after the preprocessing."""
     if "eval" not in data and training_args.eval_strategy != "no":
-        raise ValueError(
+        raise DataError(
             f"--eval_strategy {training_args.eval_strategy.value} needs evaluation pairs, and {data_args.dataset!r} "
             "gives none. Pass --eval_dataset FILE or --validation_split_percentage N, or train without evaluation "
             "with --eval_strategy no."
         )
+
+
+def source_of(data_args: DataArguments, split: str) -> str:
+    """The file or data set a split's rows come from, as the user named it."""
+    if split == "eval" and data_args.eval_dataset:
+        return data_args.eval_dataset
+    if split == "eval" and data_args.validation_split_percentage and data_args.dataset not in GENERATED:
+        return f"{data_args.dataset} (held out by --validation_split_percentage)"
+    return data_args.dataset
 
 
 def check_columns(data: DatasetDict, data_args: DataArguments, task: str) -> None:
@@ -265,68 +321,129 @@ def check_columns(data: DatasetDict, data_args: DataArguments, task: str) -> Non
         needed["label_column"] = data_args.label_column
     for name, column in needed.items():
         if column is None:
-            raise ValueError(
-                f"--{name} is required for task {task!r}; the columns of the training data are "
-                f"{data['train'].column_names}."
+            raise DataError(
+                f"--{name} is required for task {task!r}; the columns of {source_of(data_args, 'train')} are "
+                f"{', '.join(table_columns(data['train']))}."
             )
     for split, dataset in data.items():
+        columns = table_columns(dataset)
         for name, column in [*needed.items(), ("id_column", data_args.id_column)]:
-            if column is not None and column not in dataset.column_names:
-                raise ValueError(
-                    f"--{name} {column!r} is not a column of the {split} data; available columns: "
-                    f"{dataset.column_names}."
+            if column is not None and column not in columns:
+                close = difflib.get_close_matches(column, columns, n=1, cutoff=0.6) or [
+                    c for c in columns if c.lower() == column.lower()
+                ]
+                hint = f" Did you mean {close[0]!r}?" if close else ""
+                raise DataError(
+                    f"--{name} {column!r} is not a column of {source_of(data_args, split)}; its columns are "
+                    f"{', '.join(columns)}.{hint}"
                 )
         feature = dataset.features[data_args.text_column]
-        # A column of mixed types (e.g. a few numbers among the strings of a jsonl) is read as `Json`; its rows are
+        # A column of mixed types (a few numbers among the strings of a jsonl) is read as `Json`; its rows are
         # checked one by one and the non-strings quarantined, rather than the whole column refused.
         if not (isinstance(feature, Value) and feature.dtype in TEXT_TYPES or isinstance(feature, Json)):
-            raise ValueError(
-                f"--text_column {data_args.text_column!r} must hold text, but its type in the {split} data is "
-                f"{feature}. Columns: {dataset.features}."
+            raise DataError(
+                f"--text_column {data_args.text_column!r} of {source_of(data_args, split)} must hold text, but holds "
+                f"{feature}. Is it the right column? The columns are {', '.join(columns)}."
             )
 
 
-def encode_labels(data: DatasetDict, label_column: str) -> tuple[DatasetDict, list[str]]:
+def table_columns(dataset: Dataset) -> list[str]:
+    """The columns a user named in their table (not the line numbers [`read_table`] adds)."""
+    return [column for column in dataset.column_names if column != LINE_COLUMN]
+
+
+def check_labels(data: DatasetDict, data_args: DataArguments) -> list[str]:
     """
-    Class indices for the label column of every split, with the label names. A `ClassLabel` column is kept; string
-    labels become a `ClassLabel` over the training labels (sorted), integer labels are taken as indices. Evaluation
-    labels the training data does not have are an error, since the head cannot predict them.
+    The classes of a vqa / classify run, in class-index order: a `ClassLabel` column's names, else the classes the
+    training labels name ([`class_names`]: `1` and `"1"` are one class). Fewer than two classes, or evaluation labels
+    that the training data lacks (the head could not predict them), are a [`DataError`] naming the rows; a row whose
+    label names no class is quarantined later, with the other bad rows.
     """
-    feature = data["train"].features[label_column]
-    if isinstance(feature, ClassLabel):
-        names = list(feature.names)
-    elif isinstance(feature, Value) and feature.dtype in TEXT_TYPES:
-        names = sorted(set(data["train"][label_column]))
-    elif isinstance(feature, Value) and feature.dtype.startswith(("int", "uint")):
-        labels = data["train"][label_column]
-        if min(labels) < 0:
-            raise ValueError(f"--label_column {label_column!r} has negative class indices ({min(labels)}).")
-        names = [str(i) for i in range(max(labels) + 1)]
-    else:
-        raise ValueError(
-            f"--label_column {label_column!r} must hold class names (text) or class indices (int), got {feature}."
+    column, train = data_args.label_column, data["train"]
+    feature = train.features[column]
+    names = list(feature.names) if isinstance(feature, ClassLabel) else class_names(train[column])
+    if len(names) < 2:
+        found = f"only the class {names[0]!r}" if names else "no usable label (each is null, empty or a list)"
+        raise DataError(
+            f"{source_of(data_args, 'train')}: --label_column {column!r} holds {found} in {len(train)} rows; a "
+            "classifier needs at least two classes. Is it the right column?"
         )
-    class_label = ClassLabel(names=names)
-    encoded = {}
-    for split, dataset in data.items():
-        split_feature = dataset.features[label_column]
-        if isinstance(split_feature, ClassLabel):
-            if list(split_feature.names) != names:
-                raise ValueError(
-                    f"The {split} data's label names {split_feature.names} differ from the training data's {names}."
-                )
-            encoded[split] = dataset
+    if "eval" not in data:
+        return names
+    evaluation, known = data["eval"], set(names)
+    eval_feature = evaluation.features[column]
+    values = evaluation[column]
+    lines = evaluation[LINE_COLUMN] if LINE_COLUMN in evaluation.column_names else [None] * len(values)
+    unknown, first = Counter(), {}
+    for row, (value, line) in enumerate(zip(values, lines)):
+        if isinstance(eval_feature, ClassLabel):
+            value = eval_feature.names[value] if 0 <= value < len(eval_feature.names) else None
+        try:
+            name = label_name(value)
+        except BadSample:
+            continue  # no label at all: quarantined with the other bad rows
+        if name not in known:
+            unknown[name] += 1
+            first.setdefault(name, f"line {line}" if line is not None else f"row {row + 1}")
+    if unknown:
+        listed = ", ".join(f"{name!r} ({count} at {first[name]}{', ...' if count > 1 else ''})"
+                           for name, count in unknown.most_common(5))  # fmt: skip
+        more = f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
+        raise DataError(
+            f"{source_of(data_args, 'eval')}: {sum(unknown.values())} evaluation rows have {len(unknown)} labels that "
+            f"the training data ({source_of(data_args, 'train')}) lacks, so the head cannot predict them: "
+            f"{listed}{more}. Add those classes to the training data or drop those rows."
+        )
+    return names
+
+
+# What a reason for leaving rows out most likely means, for the line that stops a run with too many of them.
+LIKELY_CAUSES = {
+    "missing_image": "is --data_root right?",
+    "path_outside_root": "image paths must lead to files under --data_root",
+    "url_image": "URLs are not fetched: download the images and give their paths",
+    "not_an_image": "is --image_column the column of image files?",
+    "empty_file": "are the image files complete?",
+    "truncated": "are the image files complete?",
+    "too_large": "images above 50 megapixels are refused",
+    "bad_array": "is --image_column the column of images?",
+    "bad_text": "is --text_column right?",
+    "bad_label": "is --label_column right?",
+    "duplicate_id": "is --id_column unique? Without it, rows are numbered",
+}
+
+
+def check_usable(prepared: PreparedData, data_args: DataArguments, quarantine_path: str | os.PathLike) -> None:
+    """
+    Stop a run that would learn from garbage: when a split has no usable pair left, or more than `--max_bad_fraction`
+    of its rows were left out, a [`DataError`] names the most common reason, its first example and its likely cause
+    (every image missing: is `--data_root` right? with the first path looked for).
+    """
+    pairs = prepared.pairs if isinstance(prepared.pairs, DatasetDict) else {"train": prepared.pairs}
+    for split, kept in pairs.items():
+        bad = [q for q in prepared.quarantine if q.get("split", "train") == split]
+        total = len(bad) + len(kept)
+        if not bad or (len(kept) and len(bad) <= data_args.max_bad_fraction * total):
             continue
-        values = set(dataset[label_column])
-        known = set(names) if isinstance(split_feature, Value) and split_feature.dtype in TEXT_TYPES else None
-        unknown = sorted(values - known) if known is not None else sorted(v for v in values if v >= len(names))
-        if unknown:
-            raise ValueError(
-                f"The {split} data has {len(unknown)} labels that the training data does not, so the head cannot "
-                f"predict them: {unknown[:10]}. Add them to the training data or drop those rows."
-            )
-        encoded[split] = dataset.cast_column(label_column, class_label)
-    return DatasetDict(encoded), names
+        reasons = Counter(q["reason"].split(":", 1)[0] for q in bad)
+        reason, _ = reasons.most_common(1)[0]
+        example = next(q for q in bad if q["reason"].startswith(reason))
+        place = f"line {example['line']}" if "line" in example else f"id {example['id']!r}"
+        cause = LIKELY_CAUSES.get(reason, "")
+        if reason == "missing_image":
+            root = data_args.data_root
+            cause += f" It is {root!r}." if root else f" It is not set, so paths are read from {os.getcwd()}."
+        why = (
+            f"so no {split} pair is left"
+            if not len(kept)
+            else f"more than --max_bad_fraction {data_args.max_bad_fraction:g} allows"
+        )
+        counts = ", ".join(f"{r} {c}" for r, c in reasons.most_common())
+        raise DataError(
+            f"{source_of(data_args, split)}: {len(bad)} of {total} {split} rows are unusable ({counts}), {why}. The "
+            f"first {reason} is at {place}: {example['reason'].split(':', 1)[-1].strip()}; {cause} Every row left "
+            f"out, with its reason: {quarantine_path}."
+        )
 
 
 def parse_overrides(overrides: str | None, flag: str = "--config_overrides") -> dict:

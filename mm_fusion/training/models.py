@@ -97,7 +97,9 @@ def build_tokenizer(model_args: ModelArguments, data_args: DataArguments, traini
     # not to be found (trl#7223). Every rank must have the same vocabulary.
     files = [None]
     if training_args.process_index == 0:
-        tokenizer = train_tokenizer(data.path.tokenizer_texts(data, data_args), vocab_size=model_args.vocab_size)
+        texts = data.path.tokenizer_texts(data, data_args)
+        bars = not training_args.disable_tqdm
+        tokenizer = train_tokenizer(texts, vocab_size=model_args.vocab_size, show_progress=bars)
         tokenizer.save_pretrained(directory)
         files = [{path.name: path.read_bytes() for path in directory.iterdir() if path.is_file()}]
     if training_args.world_size > 1:

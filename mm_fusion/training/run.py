@@ -10,7 +10,7 @@ import torch
 from transformers import EarlyStoppingCallback
 
 from .arguments import MAIN_METRICS, DataArguments, MMFusionTrainingArguments, ModelArguments, parse_arguments
-from .callbacks import add_monitor
+from .callbacks import MMFusionProgressLogCallback, add_monitor
 from .data import TrainingData, parse_overrides
 from .data_path import load_training_data
 from .launch import release_freed_memory
@@ -34,8 +34,9 @@ def build_trainer(
     command: list[str] | None = None,
 ) -> MMFusionTrainer:
     """
-    The pairs preprocessed once into the cache, the collators, the task's metrics, the monitor, early stopping and the
-    model card, in an [`MMFusionTrainer`]. `command`: the script's arguments, for the model card.
+    The pairs preprocessed once into the cache, the collators, the task's metrics, the monitor, early stopping, the
+    progress lines of a run without bars (`disable_tqdm`) and the model card, in an [`MMFusionTrainer`]. `command`:
+    the script's arguments, for the model card.
     """
     task = model_args.task
     tokenizer = processor.tokenizer
@@ -68,6 +69,8 @@ def build_trainer(
     if training_args.release_freed_memory:
         release_freed_memory()
     add_monitor(trainer, data_wait_warning=training_args.data_wait_warning, peak_tflops=training_args.peak_tflops)
+    if training_args.disable_tqdm:  # Trainer then prints the logs' metrics, but no longer where the run stands
+        trainer.add_callback(MMFusionProgressLogCallback())
     if training_args.early_stopping_patience is not None:
         trainer.add_callback(EarlyStoppingCallback(early_stopping_patience=training_args.early_stopping_patience))
     # Every rank says where it stands, so a launch that started fewer processes than asked for shows at once.

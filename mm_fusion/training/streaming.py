@@ -13,7 +13,15 @@ from pathlib import Path
 
 from datasets import Dataset
 
-from ..data import ShuffledStream, StreamingCollator, prepare_stream, read_quarantine, split_by_rank, stream_source
+from ..data import (
+    DataError,
+    ShuffledStream,
+    StreamingCollator,
+    prepare_stream,
+    read_quarantine,
+    split_by_rank,
+    stream_source,
+)
 from ..data.streaming import StreamSource
 from .arguments import DataArguments, ModelArguments
 from .data import DataPath, TrainingData
@@ -41,7 +49,7 @@ def load_streaming_data(model_args: ModelArguments, data_args: DataArguments, tr
     if data_args.eval_dataset:
         sources["eval"] = stream_source(data_args.eval_dataset, data_root=data_args.data_root)
     elif training_args.eval_strategy != "no":
-        raise ValueError(
+        raise DataError(
             f"--eval_strategy {training_args.eval_strategy.value} needs evaluation pairs: with --streaming, pass "
             "--eval_dataset (shards or a file), or train without evaluation with --eval_strategy no."
         )
@@ -108,7 +116,7 @@ def prepare_streaming_data(
         eval_settings = {**settings, "quarantine_dir": os.path.join(quarantine_dir, "eval")}
         rows = list(prepare_stream(data.datasets["eval"], tokenizer, **eval_settings, write_reports=rank == 0))
         if not rows:
-            raise ValueError(f"--eval_dataset {data_args.eval_dataset!r} has no usable pairs; see {quarantine_dir}.")
+            raise DataError(f"--eval_dataset {data_args.eval_dataset!r} has no usable pairs; see {quarantine_dir}.")
         pairs["eval"] = Dataset.from_list(rows)
     return PreparedStream(pairs, quarantine_dir)
 
