@@ -165,7 +165,8 @@ def text_problem(text: Any) -> str:
     if text is None:
         return "no text (null or absent)"
     if not isinstance(text, str):
-        return f"a {type(text).__name__} where text should be: {text!r:.80}"
+        kind = {bool: "a boolean", int: "a number", float: "a number", list: "a list", dict: "an object"}
+        return f"{kind.get(type(text), 'a ' + type(text).__name__)} where text should be: {text!r:.80}"
     if not text.strip():
         return f"an empty text {text!r}"
     return ""

@@ -70,10 +70,10 @@ def read_table(source: str | os.PathLike, split: str = "train", **load_kwargs) -
         splits = saved_splits(path)
         if splits is not None:
             if not splits:
-                return _nonempty(path, _load(path, "a save_to_disk directory", loader=load_from_disk))
+                return _nonempty(path, _load(path, "a save_to_disk directory", path, loader=load_from_disk))
             if split not in splits:
                 raise DataError(f"{path}: a DatasetDict without a {split!r} split; its splits are {splits}.")
-            return _nonempty(path, _load(path, "a save_to_disk directory", loader=load_from_disk)[split])
+            return _nonempty(path, _load(path, "a save_to_disk directory", path, loader=load_from_disk)[split])
         metadata = [name for name in METADATA_FILES if os.path.isfile(os.path.join(path, name))]
         if not metadata:
             raise DataError(
@@ -85,7 +85,8 @@ def read_table(source: str | os.PathLike, split: str = "train", **load_kwargs) -
         return _nonempty(path, _load(path, "an imagefolder", "imagefolder", data_dir=path, split=split, **load_kwargs))
     if os.path.splitext(path)[1].lower() in (*TEXT_FORMATS, *PARQUET_SUFFIXES) or path.startswith((".", os.sep, "~")):
         raise DataError(f"{path}: no such file or directory (from {os.getcwd()}).")
-    return _nonempty(path, _load(path, "a local path or a hub data set", path, split=split, **load_kwargs))
+    what = f"a hub data set (no file or directory {path!r} here, from {os.getcwd()})"
+    return _nonempty(path, _load(path, what, path, split=split, **load_kwargs))
 
 
 def saved_splits(path: str | os.PathLike) -> list[str] | None:

@@ -386,13 +386,14 @@ def check_labels(data: DatasetDict, data_args: DataArguments) -> list[str]:
             unknown[name] += 1
             first.setdefault(name, f"line {line}" if line is not None else f"row {row + 1}")
     if unknown:
-        listed = ", ".join(f"{name!r} ({count} at {first[name]}{', ...' if count > 1 else ''})"
-                           for name, count in unknown.most_common(5))  # fmt: skip
-        more = f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
+        rows, labels = sum(unknown.values()), len(unknown)
+        listed = ", ".join(f"{name!r} ({count}, first at {first[name]})" for name, count in unknown.most_common(5))
+        more = f" and {labels - 5} more" if labels > 5 else ""
         raise DataError(
-            f"{source_of(data_args, 'eval')}: {sum(unknown.values())} evaluation rows have {len(unknown)} labels that "
-            f"the training data ({source_of(data_args, 'train')}) lacks, so the head cannot predict them: "
-            f"{listed}{more}. Add those classes to the training data or drop those rows."
+            f"{source_of(data_args, 'eval')}: {rows} evaluation row{'s have' if rows > 1 else ' has'} "
+            f"{'a label' if labels == 1 else f'{labels} labels'} that the training data "
+            f"({source_of(data_args, 'train')}) lacks, so the head cannot predict them: {listed}{more}. Add those "
+            "classes to the training data or drop those rows."
         )
     return names
 
