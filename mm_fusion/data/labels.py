@@ -1,6 +1,6 @@
 """
-Class labels as users write them. A label is a class name: `1`, `1.0` and `"1"` name the same class, `"1"` (a
-table's cells are text, and a CSV column of integers with one blank one is exported as floats by pandas);
+Class labels as users write them. A label is a class name: `1`, `1.0`, `"1"` and `"1.0"` name the same class, `"1"`
+(a table's cells are text, and pandas exports a column of integers with one blank as floats);
 surrounding spaces are not part of the name. A missing label, `null`, `NaN`, an empty text or a value that is not one
 value (a list, an object) is not a label: its row is quarantined. Classes are ordered by name, numerically when every
 name is a whole number, so labels 0 to K-1 keep their numbers as class indices.
@@ -30,7 +30,8 @@ def label_name(value: Any) -> str:
     if isinstance(value, str):
         if not value.strip():
             raise BadSample("bad_label", f"an empty label {value!r}")
-        return value.strip()
+        name = value.strip()
+        return name.split(".")[0] if re.fullmatch(r"-?\d+\.0+", name) else name
     try:
         shown = json.dumps(value)
     except TypeError:

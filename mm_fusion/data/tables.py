@@ -3,9 +3,10 @@ Users' tables of image-text pairs, read as a person would read them: every form 
 of the table itself as one [`DataError`] that names the file, the line as an editor shows it, and what is wrong.
 
 Forms: JSON lines (`.jsonl`, `.ndjson`, or a `.json` of lines), a JSON array of objects or an object of columns (as
-pandas' `to_json` writes them), CSV / TSV (UTF-8 with or without a byte-order mark, CRLF or LF, quoted fields holding
-commas and line breaks: as Excel, pandas and spreadsheets write them), Parquet (image paths, or images embedded as the
-hub's `Image` feature), a `save_to_disk` directory (a `Dataset`, or a `DatasetDict` and a split), an imagefolder with
+pandas' `to_json` writes them), CSV / TSV as Excel, pandas and spreadsheets write them (UTF-8 with or without a
+byte-order mark, or UTF-16; CRLF or LF; quoted fields holding commas and line breaks; semicolons where Excel writes
+them for commas), each of these gzip-compressed too (`.csv.gz`), Parquet (image paths, or images embedded as the hub's
+`Image` feature), a `save_to_disk` directory (a `Dataset`, or a `DatasetDict` and a split), an imagefolder with
 `metadata.jsonl` / `metadata.csv`, and a hub data set name.
 
 The text forms are parsed here, in Python, rather than by `datasets`' json / csv builders: those name no line (pyarrow
@@ -17,7 +18,9 @@ number when the rows are validated, and every row keeps the line it starts on ([
 report.
 """
 
+import codecs
 import csv
+import gzip
 import hashlib
 import io
 import json
@@ -56,12 +59,12 @@ def read_table(source: str | os.PathLike, split: str = "train", **load_kwargs) -
     """
     path = os.fspath(source)
     if os.path.isfile(path):
-        suffix = os.path.splitext(path)[1].lower()
+        suffix = table_suffix(path)
         if suffix in TEXT_FORMATS:
             return _cached_text_table(path, TEXT_FORMATS[suffix])
         if suffix in PARQUET_SUFFIXES:
             return _nonempty(path, _load(path, "a Parquet file", "parquet", data_files={"train": path}, split="train"))
-        known = ", ".join([*TEXT_FORMATS, *PARQUET_SUFFIXES])
+        known = ", ".join([*TEXT_FORMATS, *PARQUET_SUFFIXES]) + " (a text form also gzip-compressed, .csv.gz)"
         raise DataError(
             f"{path}: cannot read a table from a {suffix or 'suffix-less'} file; expected one of {known}, a directory "
             "written by Dataset.save_to_disk, an imagefolder with metadata.jsonl / metadata.csv, or a hub data set."
@@ -83,10 +86,16 @@ def read_table(source: str | os.PathLike, split: str = "train", **load_kwargs) -
         for name in metadata:  # its defects named by line, before datasets' imagefolder builder reads it
             table_rows(os.path.join(path, name))
         return _nonempty(path, _load(path, "an imagefolder", "imagefolder", data_dir=path, split=split, **load_kwargs))
-    if os.path.splitext(path)[1].lower() in (*TEXT_FORMATS, *PARQUET_SUFFIXES) or path.startswith((".", os.sep, "~")):
+    if table_suffix(path) in (*TEXT_FORMATS, *PARQUET_SUFFIXES) or path.startswith((".", os.sep, "~")):
         raise DataError(f"{path}: no such file or directory (from {os.getcwd()}).")
     what = f"a hub data set (no file or directory {path!r} here, from {os.getcwd()})"
     return _nonempty(path, _load(path, what, path, split=split, **load_kwargs))
+
+
+def table_suffix(path: str) -> str:
+    """A table file's form by its suffix, a gzip-compressed text table's by the one before `.gz`."""
+    stem, suffix = os.path.splitext(path.lower())
+    return os.path.splitext(stem)[1] if suffix == ".gz" else suffix
 
 
 def saved_splits(path: str | os.PathLike) -> list[str] | None:
@@ -127,7 +136,7 @@ def table_rows(path: str | os.PathLike, kind: str | None = None) -> tuple[list[s
     line it starts on. A defect of the table is a [`DataError`] naming its line.
     """
     path = os.fspath(path)
-    kind = kind or TEXT_FORMATS[os.path.splitext(path)[1].lower()]
+    kind = kind or TEXT_FORMATS[table_suffix(path)]
     text = _read_text(path)
     if not text.strip():
         raise DataError(f"{path}: the file is empty.")
@@ -136,7 +145,7 @@ def table_rows(path: str | os.PathLike, kind: str | None = None) -> tuple[list[s
     elif kind == "json":
         rows = _json_document(path, text)
     else:
-        columns, rows = _delimited(path, text, "," if kind == "csv" else "\t")
+        columns, rows = _delimited(path, text, _delimiter(text) if kind == "csv" else "\t")
         return columns, rows
     columns = list(dict.fromkeys(key for _, row in rows for key in row))
     if not rows:
@@ -145,10 +154,18 @@ def table_rows(path: str | os.PathLike, kind: str | None = None) -> tuple[list[s
 
 
 def _read_text(path: str) -> str:
-    """The file as text: UTF-8, a leading byte-order mark dropped (Excel's "CSV UTF-8" writes one)."""
+    """The file as text (gzip-compressed or not): UTF-8, a leading byte-order mark dropped (Excel's "CSV UTF-8"
+    writes one), or UTF-16 with its byte-order mark (Excel's "Unicode Text")."""
     with open(path, "rb") as f:
         data = f.read()
+    if path.lower().endswith(".gz"):
+        try:
+            data = gzip.decompress(data)
+        except (OSError, EOFError) as error:
+            raise DataError(f"{path}: not a complete gzip file ({error}).") from None
     try:
+        if data.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):
+            return data.decode("utf-16")
         return data.decode("utf-8-sig")
     except UnicodeDecodeError as error:
         line = data.count(b"\n", 0, error.start) + 1
@@ -266,7 +283,8 @@ def _delimited(path: str, text: str, delimiter: str) -> tuple[list[str], list[tu
     extra fields are all empty (a trailing separator) is read; any other count of fields is a [`DataError`].
     """
     reader = csv.reader(io.StringIO(text, newline=""), delimiter=delimiter)
-    kind, separator = ("CSV", "comma") if delimiter == "," else ("TSV", "tab")
+    kind = "TSV" if delimiter == "\t" else "CSV"
+    separator = {",": "comma", ";": "semicolon", "\t": "tab"}[delimiter]
     header, header_line, rows, last_line = None, 0, [], 0
     try:
         for record in reader:
@@ -291,6 +309,13 @@ def _delimited(path: str, text: str, delimiter: str) -> tuple[list[str], list[tu
     if not rows:
         raise DataError(f"{path}: a header (line {header_line}) but no rows.")
     return header, rows
+
+
+def _delimiter(text: str) -> str:
+    """A CSV's separator: a comma, or a semicolon when the header has semicolons and no comma (Excel writes CSV so
+    where a comma is the decimal mark)."""
+    header = next((line for line in text.split("\n") if line.strip()), "")
+    return ";" if ";" in header and "," not in header else ","
 
 
 def _header(path: str, line: int, record: list[str]) -> list[str]:

@@ -2,6 +2,7 @@
 rows, and the defects exported tables have."""
 
 import csv
+import gzip
 import io
 import json
 from pathlib import Path
@@ -35,15 +36,17 @@ def pair_rows(names: list[str]) -> list[dict]:
     ]
 
 
-def excel_csv(path: Path, rows: list[dict], delimiter: str = ",") -> Path:
+def excel_csv(path: Path, rows: list[dict], delimiter: str = ",", encoding: str = "utf-8-sig") -> Path:
     """As Excel's "CSV UTF-8" saves a sheet: a byte-order mark, CRLF line ends, fields quoted where needed; one caption
-    holds a line break inside its quotes."""
+    holds a line break inside its quotes. Where a comma is the decimal mark, Excel separates by semicolons; its
+    "Unicode Text" is UTF-16, tab-separated."""
     buffer = io.StringIO(newline="")
     writer = csv.DictWriter(buffer, fieldnames=list(rows[0]), delimiter=delimiter, lineterminator="\r\n")
     writer.writeheader()
     for i, row in enumerate(rows):
         writer.writerow({**row, "text": row["text"].replace(", ", ",\r\n", 1)} if i == 1 else row)
-    path.write_bytes(b"\xef\xbb\xbf" + buffer.getvalue().encode())
+    data = buffer.getvalue().encode(encoding)
+    path.write_bytes(gzip.compress(data) if path.suffix == ".gz" else data)
     return path
 
 
@@ -69,6 +72,9 @@ def every_form(folder: Path, rows: list[dict], root: Path) -> dict[str, Path]:
     forms = {
         "excel.csv": excel_csv(folder / "excel.csv", rows),
         "excel.tsv": excel_csv(folder / "excel.tsv", rows, delimiter="\t"),
+        "excel_semicolons.csv": excel_csv(folder / "excel_semicolons.csv", rows, delimiter=";"),
+        "excel_unicode.tsv": excel_csv(folder / "excel_unicode.tsv", rows, delimiter="\t", encoding="utf-16"),
+        "excel.csv.gz": excel_csv(folder / "excel.csv.gz", rows),
         "pairs.jsonl": jsonl(folder / "pairs.jsonl", rows),
         "lines.json": jsonl(folder / "lines.json", rows),
     }
