@@ -398,6 +398,12 @@ def check_labels(data: DatasetDict, data_args: DataArguments) -> list[str]:
     return names
 
 
+def file_order(entry: dict) -> tuple:
+    """A quarantine entry's place in its file, for showing the first ones: its line, else its order (a held-out
+    split is drawn at random, so the rows of a split are not in file order)."""
+    return (entry.get("line") is None, entry.get("line") or 0)
+
+
 # What a reason for leaving rows out most likely means, for the line that stops a run with too many of them.
 LIKELY_CAUSES = {
     "missing_image": "is --data_root right?",
@@ -428,7 +434,7 @@ def check_usable(prepared: PreparedData, data_args: DataArguments, quarantine_pa
             continue
         reasons = Counter(q["reason"].split(":", 1)[0] for q in bad)
         reason, _ = reasons.most_common(1)[0]
-        example = next(q for q in bad if q["reason"].startswith(reason))
+        example = min((q for q in bad if q["reason"].startswith(reason)), key=file_order)
         place = f"line {example['line']}" if "line" in example else f"id {example['id']!r}"
         cause = LIKELY_CAUSES.get(reason, "")
         if reason == "missing_image":

@@ -11,7 +11,7 @@ import numpy as np
 
 from ..data import PreparedData
 from .arguments import DataArguments, ModelArguments
-from .data import TrainingData, check_usable, prepare_pairs, quarantine_file, source_of
+from .data import TrainingData, check_usable, file_order, prepare_pairs, quarantine_file, source_of
 from .models import build_model, build_tokenizer, input_image_size
 
 
@@ -70,7 +70,8 @@ def data_report(
         share = len(prepared.quarantine) / total
         lines.append(f"left out: {len(prepared.quarantine):,} of {total:,} rows ({share:.1%}): {summary}")
         for reason, _ in reasons.most_common():
-            for q in [q for q in prepared.quarantine if q["reason"].split(":", 1)[0] == reason][:EXAMPLES]:
+            entries = [q for q in prepared.quarantine if q["reason"].split(":", 1)[0] == reason]
+            for q in sorted(entries, key=file_order)[:EXAMPLES]:
                 place = f"line {q['line']}" if "line" in q else f"id {q['id']!r}"
                 lines.append(f"  {q.get('split', '')} {place}: {q['reason']}")
     else:
