@@ -451,7 +451,7 @@ def test_a_key_used_twice_in_a_shard_keeps_its_first_sample_and_reports_every_ot
                      "k3.png, k3.txt (members 13-14), is read"),
         (f"{shard}/k4", "k4", "duplicate_key: key 'k4' again at k4.txt (member 20); only its first sample, at "
                               "k4.png, k4.txt, k4.json (members 17-19), is read"),
-        (f"{shard}/k6", "k6", "bad_text: expected a non-empty string, got None"),  # k6.PNG alone: no caption
+        (f"{shard}/k6", "k6", "bad_text: no text (null or absent)"),  # k6.PNG alone: no caption
         ("u7", "k6", "duplicate_key: key 'k6' again at k6.png, k6.txt, k6.json (members 22-24); only its first "
                      "sample, at k6.PNG (member 21), is read"),
         ("u9", "k1", f"duplicate_key: key 'k1' again at k1.png, k1.txt, k1.json (members 28-30); {first_k1}"),
