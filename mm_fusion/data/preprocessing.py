@@ -367,27 +367,29 @@ def _prepare_images(
         "data_root": data_root,
         "max_pixels": max_pixels,
     }
-    if chosen != "uint8":  # the default keeps the fingerprints (and caches) of earlier versions
+    if chosen != "uint8":
         settings["image_format"] = chosen
     pixels = Value("binary") if chosen != "uint8" else Array3D(shape=(3, image_size, image_size), dtype="uint8")
+    features = Features(
+        {
+            "image_key": Value("string"),
+            "image_bytes" if chosen != "uint8" else "pixel_values": pixels,
+            "source": Value("string"),
+            "error": Value("string"),
+            "width": Value("int32"),
+            "height": Value("int32"),
+        }
+    )
     images = source.map(
         prepare_images,
         batched=True,
         batch_size=batch_size,
         num_proc=num_proc if num_proc and len(source) >= num_proc else None,
-        features=Features(
-            {
-                "image_key": Value("string"),
-                "image_bytes" if chosen != "uint8" else "pixel_values": pixels,
-                "source": Value("string"),
-                "error": Value("string"),
-                "width": Value("int32"),
-                "height": Value("int32"),
-            }
-        ),
+        features=features,
         remove_columns=[image_column],
         fn_kwargs=settings,
-        new_fingerprint=Hasher.hash([source._fingerprint, prepare_images, settings]),
+        # the output's schema is part of the key: a cache written with other columns is never read back
+        new_fingerprint=Hasher.hash([source._fingerprint, prepare_images, settings, features.to_dict()]),
         desc="Decoding, checking and resizing images",
     )
     return images, image_rows

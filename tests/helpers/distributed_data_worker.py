@@ -12,6 +12,7 @@ import sys
 import torch.distributed as dist
 from transformers import BertConfig, Trainer, TrainingArguments, ViTConfig
 
+import mm_fusion.data.preprocessing as preprocessing
 import mm_fusion.image_processing_mm_fusion as image_processing
 from mm_fusion import MMFusionConfig, MMFusionForImageTextClassification
 from mm_fusion.data import ImageTextCollator, load_pairs, prepare_dataset
@@ -29,7 +30,8 @@ def counting_load_image(*args, **kwargs):
 
 
 def main(data_dir: str, output: str) -> None:
-    image_processing.load_image = counting_load_image  # what load_pixels calls, for the cache and the processor
+    image_processing.load_image = counting_load_image  # what the processor's load_pixels calls
+    preprocessing.load_image = counting_load_image  # what the cache's image map calls
     rows = [json.loads(line) for line in open(os.path.join(data_dir, "pairs.jsonl"))]
     tokenizer = train_tokenizer([r["text"] for r in rows], vocab_size=100)
     prepared = prepare_dataset(
