@@ -26,7 +26,9 @@ Usage errors exit with status 2, as argparse's; a failure of the command itself 
 
 import dataclasses
 import difflib
+import json
 import os
+import re
 import sys
 
 from transformers import HfArgumentParser
@@ -123,4 +125,19 @@ def command_name(module: str) -> str:
     return name if name.startswith("mm-fusion-") else f"python -m {module}"
 
 
-__all__ = ["ScriptArgumentParser", "command_name"]
+def parse_overrides(overrides: str | None, flag: str = "--config_overrides") -> dict:
+    """`key=value,key=value` into a dict, values read as JSON when they parse (numbers, booleans, lists)."""
+    result = {}
+    # Commas inside brackets belong to a list value: `text_bridge_layers=[0,1],projection_dim=64`.
+    for item in filter(None, re.split(r",(?![^\[]*\])", overrides or "")):
+        if "=" not in item:
+            raise ValueError(f"{flag} expects key=value pairs, got {item!r}.")
+        key, value = item.split("=", 1)
+        try:
+            result[key.strip()] = json.loads(value)
+        except json.JSONDecodeError:
+            result[key.strip()] = value
+    return result
+
+
+__all__ = ["ScriptArgumentParser", "command_name", "parse_overrides"]

@@ -204,8 +204,8 @@ def export_model(
     """
     from transformers import AutoConfig, AutoProcessor
 
-    from . import MMFusionForImageTextClassification, MMFusionForPretraining
     from .model_paths import check_model_path
+    from .modeling_mm_fusion import MMFusionForImageTextClassification, MMFusionForPretraining
 
     check_model_path(model_dir)
     model_dir, out_dir = Path(model_dir), Path(out_dir)

@@ -1,20 +1,20 @@
 """
-Training with `Trainer` / Accelerate, the library side of `scripts/train.py`, a module a step: `arguments` (1, parse),
-`data_path` (2, the pairs, on the Arrow path of `data` or the streaming one of `streaming`), `models` (3, tokenizer,
-model, processor), `run` (4 to 7: trainer, evaluation, saving), with the trainer and its units (one per feature),
-its monitor and progress lines, metrics, checkpoints, samplers, gradient cache and model card beside them.
+Training with `Trainer` / Accelerate, the library side of `scripts/train.py`, a module a step: `arguments` and
+`settle` (1, parse, then the rules across the arguments), `data_path` (2, the pairs, on the Arrow path of `data` or
+the streaming one of `streaming`), `models` (3, tokenizer, model, processor), `run` (4 to 7: trainer, evaluation,
+saving), with the trainer and its units (one per feature), its monitor and progress lines, metrics, checkpoints,
+samplers, gradient cache and model card beside them.
 
 Not imported by `mm_fusion` itself: the library never pulls in the training stack (open_clip's split).
 """
 
+from ..cli import parse_overrides
 from .arguments import (
     MAIN_METRICS,
     DataArguments,
     MMFusionArgumentParser,
     MMFusionTrainingArguments,
     ModelArguments,
-    parse_arguments,
-    settle_arguments,
     training_defaults,
 )
 from .callbacks import MMFusionMonitorCallback, MMFusionProgressLogCallback, add_monitor
@@ -32,7 +32,6 @@ from .data import (
     check_labels,
     check_usable,
     load_raw_datasets,
-    parse_overrides,
     prepare_training_data,
     split_off_eval,
 )
@@ -45,6 +44,7 @@ from .model_card import MMFusionModelCard, model_card_context, plot_training_cur
 from .models import build_config, build_model, build_model_and_processor, build_tokenizer, model_class
 from .run import build_trainer, final_metrics, save_run, setup_run, train_and_save
 from .sampler import MMFusionImageGroupedSampler, MMFusionLengthGroupedSampler
+from .settle import parse_arguments, settle_arguments
 from .trainer import MMFusionTrainer
 
 

@@ -12,9 +12,7 @@ Step 2 of `scripts/train.py`, the data, on one of two paths ([`DataPath`]), whic
 
 import difflib
 import inspect
-import json
 import os
-import re
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,6 +20,7 @@ from pathlib import Path
 
 from datasets import ClassLabel, Dataset, DatasetDict, Json, Value
 
+from ..cli import parse_overrides
 from ..data import (
     LINE_COLUMN,
     BadSample,
@@ -451,18 +450,3 @@ def check_usable(prepared: PreparedData, data_args: DataArguments, quarantine_pa
             f"first {reason} is at {place}: {example['reason'].split(':', 1)[-1].strip()}; {cause} Every row left "
             f"out, with its reason: {quarantine_path}."
         )
-
-
-def parse_overrides(overrides: str | None, flag: str = "--config_overrides") -> dict:
-    """`key=value,key=value` into a dict, values read as JSON when they parse (numbers, booleans, lists)."""
-    result = {}
-    # Commas inside brackets belong to a list value: `text_bridge_layers=[0,1],projection_dim=64`.
-    for item in filter(None, re.split(r",(?![^\[]*\])", overrides or "")):
-        if "=" not in item:
-            raise ValueError(f"{flag} expects key=value pairs, got {item!r}.")
-        key, value = item.split("=", 1)
-        try:
-            result[key.strip()] = json.loads(value)
-        except json.JSONDecodeError:
-            result[key.strip()] = value
-    return result

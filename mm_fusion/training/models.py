@@ -12,13 +12,14 @@ import torch
 from torch import nn
 from transformers import AutoConfig, AutoModel, AutoTokenizer, set_seed
 
+from ..cli import parse_overrides
 from ..configuration_mm_fusion import MMFusionConfig
 from ..image_processing_mm_fusion import MMFusionImageProcessor
 from ..processing_mm_fusion import MMFusionProcessor
 from ..tokenizer_training import train_tokenizer
 from ..vision_towers import early_stage_parameters
 from .arguments import DataArguments, ModelArguments
-from .data import TrainingData, parse_overrides
+from .data import TrainingData
 from .model_presets import conv_tower_settings, load_model_preset
 
 

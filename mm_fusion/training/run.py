@@ -9,15 +9,17 @@ import logging
 import torch
 from transformers import EarlyStoppingCallback
 
-from .arguments import MAIN_METRICS, DataArguments, MMFusionTrainingArguments, ModelArguments, parse_arguments
+from ..cli import parse_overrides
+from .arguments import MAIN_METRICS, DataArguments, MMFusionTrainingArguments, ModelArguments
 from .callbacks import MMFusionProgressLogCallback, add_monitor
-from .data import TrainingData, parse_overrides
+from .data import TrainingData
 from .data_path import load_training_data
 from .launch import release_freed_memory
 from .map_checks import map_check
 from .metrics import classification_metrics, retrieval_metrics
 from .model_card import MMFusionModelCard
 from .models import build_model_and_processor
+from .settle import parse_arguments
 from .trainer import MMFusionTrainer
 
 
