@@ -920,14 +920,15 @@ def test_model_config_presets_set_defaults_that_flags_and_overrides_win_over(tmp
         model_args = parse_arguments(["--output_dir", str(tmp_path), *argv])[0]
         return model_args, build_config(model_args, 64, 100, 32, ["a", "b"])
 
-    args, previous = config("--model_config", "previous_default")
+    baseline = str(ROOT / "scripts" / "benchmarks" / "model_configs" / "two_fusion_layers_blind_tower.json")
+    args, previous = config("--model_config", baseline)
     assert args.fusion_layers == 2 and previous.num_fusion_layers == 2
     assert (previous.vision_text_attention, previous.init_scheme, previous.feature_map_bridge) == (
         False,
         "normal",
         True,
     )
-    args, mine = config("--model_config", "previous_default", "--fusion_layers", "1", "--config_overrides",
+    args, mine = config("--model_config", baseline, "--fusion_layers", "1", "--config_overrides",
                         "feature_map_bridge=false")  # fmt: skip
     assert mine.num_fusion_layers == 1 and mine.feature_map_bridge is False and mine.vision_text_attention is False
     _, default = config()
@@ -943,7 +944,7 @@ def test_model_config_presets_set_defaults_that_flags_and_overrides_win_over(tmp
 @pytest.mark.parametrize(
     "preset, message",
     [
-        ("no_such_preset", "neither a shipped preset \\(default, previous_default\\) nor a file"),
+        ("no_such_preset", "neither a shipped preset \\(default\\) nor a file"),
         (
             "model:\n  hidden_sise: 64\n",
             "'hidden_sise' is not a model option of scripts/train.py. Did you mean 'hidden_size'",

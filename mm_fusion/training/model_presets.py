@@ -10,7 +10,8 @@ Named model presets, as open_clip's `model_configs/`: `scripts/train.py --model_
   cross-attention fusion reads, with a classification head ([`conv_tower_settings`]); other runs do not take them,
   and the log says so.
 
-`default` is the default run's model; `previous_default` the one before issue 52 that benchmarks compare against.
+`default` is the default run's model; a benchmark's own baseline models live with that benchmark
+(`scripts/benchmarks/model_configs/`), given by path.
 """
 
 import json

@@ -37,8 +37,9 @@ from transformers import HfArgumentParser
 
 SHORT = ["--num_train_epochs", "3"]  # the ablations: 3 epochs each, against the same 3-epoch baseline
 TWO_LAYERS = ["--fusion_layers", "2"]  # the default model until issue 52's sixth session
-# The default model before issue 52, and before its tower read the question (mm_fusion/training/model_configs/).
-PREVIOUS_MODEL = ["--model_config", "previous_default"]
+# Two fusion layers over a tower that does not read the question: the baseline model (model_configs/).
+BASELINE_MODEL = Path(__file__).with_name("model_configs") / "two_fusion_layers_blind_tower.json"
+PREVIOUS_MODEL = ["--model_config", str(BASELINE_MODEL)]
 RUNS = {
     "default": [],
     "default_4_epochs": ["--num_train_epochs", "4"],

@@ -316,7 +316,8 @@ def recipe_config(**overrides):
 
     # Its rungs ran with the previous default model (two fusion layers, train.py's default until issue 52's sixth
     # session, and the settings below), unless they name them.
-    earlier = load_model_preset("previous_default")
+    baseline = Path(__file__).parents[1] / "benchmarks" / "model_configs" / "two_fusion_layers_blind_tower.json"
+    earlier = load_model_preset(str(baseline))
     args = ModelArguments(vision_tower="resnet", **{**earlier["model"], **overrides})
     # The rungs from before the library's `fusion_layer_order` and text bridge defaults (point 38) keep the model they
     # ran with unless they name either: self-attention first, and the text tower's last layers bridged.
