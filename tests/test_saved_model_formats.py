@@ -1,9 +1,11 @@
-"""Directories saved by earlier mm_fusion versions (`tests/fixtures/saved_before_*`, see each SAVED_BY.txt) load with
-this one, give the outputs they gave when saved, serve through the pipelines, load with their own code where mm_fusion
-is not importable, and save again in the same format."""
+"""Directories saved by earlier mm_fusion versions, in formats this one no longer writes
+(`tests/fixtures/saved_models`, each described by its SAVED_BY.txt), load with this one, give the outputs they gave
+when saved, serve through the pipelines, load with their own code where mm_fusion is not importable, and save again
+in the same format."""
 
 import functools
 import json
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -26,23 +28,40 @@ import mm_fusion
 from mm_fusion.lora import merge_lora
 
 
-FIXTURES = Path(__file__).resolve().parent / "fixtures"
+STORED = Path(__file__).resolve().parent / "fixtures" / "saved_models"
 TEXTS = ["what color is the circle?", "is there a blue triangle in the image?"]
 VQA, PRETRAIN = AutoModelForVisualQuestionAnswering, AutoModelForPreTraining
-# Each directory of saved models, named for the change it predates, and the Auto class of each model in it.
+# Each saved format, named for what sets it apart, and the Auto class of each model saved in it.
 SAVED = {
-    "saved_before_issue20": {"vqa": VQA, "pretrain": PRETRAIN},  # the layout of issue 20 (ViT towers)
-    # The vision encoder as a submodule (ResNet towers: stages that read the question, FiLM, neither; a LoRA adapter).
-    "saved_before_issue55": {"vqa": VQA, "film": VQA, "pretrain": PRETRAIN, "lora": VQA},
+    # ViT towers; a config without the vision-tower settings; model code that imports the pipeline code.
+    "vit_config_without_tower_settings": {"vqa": VQA, "pretrain": PRETRAIN},
+    # ResNet towers named at the bare model's top level, not under its vision encoder: stages that read the question,
+    # FiLM, neither; a LoRA adapter that names them so.
+    "resnet_tower_at_top_level": {"vqa": VQA, "film": VQA, "pretrain": PRETRAIN, "lora": VQA},
 }
 MODELS = [(saved, name) for saved, heads in SAVED.items() for name in heads]
 ANSWERING = [(saved, name) for saved, name in MODELS if SAVED[saved][name] is VQA]
 
 
+@pytest.fixture(scope="module")
+def saved_dirs(tmp_path_factory) -> Path:
+    """The saved directories as the old code wrote them, `FORMAT/HEAD`: each head's own files with its format's
+    `shared/` files (code, tokenizer, processor config) beside them, and `FORMAT/image.png`, `expected.safetensors`."""
+    root = tmp_path_factory.mktemp("saved_models")
+    for saved, heads in SAVED.items():
+        (root / saved).mkdir()
+        for name in ("image.png", "expected.safetensors"):
+            shutil.copy(STORED / saved / name, root / saved / name)
+        for name in heads:
+            shutil.copytree(STORED / saved / "shared", root / saved / name)
+            shutil.copytree(STORED / saved / name, root / saved / name, dirs_exist_ok=True)
+    return root
+
+
 @functools.cache
 def expected(saved: str) -> dict[str, torch.Tensor]:
     """The processor's inputs (`input.*`) and each model's outputs (`NAME.*`) when the directory was saved."""
-    return load_file(FIXTURES / saved / "expected.safetensors")
+    return load_file(STORED / saved / "expected.safetensors")
 
 
 def _inputs(saved: str) -> dict[str, torch.Tensor]:
@@ -62,19 +81,19 @@ def assert_saved_outputs(outputs, saved: str, name: str) -> None:
 
 
 def _answers(saved: str, name: str) -> list[str]:
-    id2label = json.loads((FIXTURES / saved / name / "config.json").read_text())["id2label"]
+    id2label = json.loads((STORED / saved / name / "config.json").read_text())["id2label"]
     return [id2label[str(int(i))] for i in _outputs(saved, name)["logits"].argmax(-1)]
 
 
 @pytest.mark.parametrize("saved,name", MODELS)
-def test_old_directory_loads_with_the_installed_code_and_gives_its_saved_outputs(saved, name):
-    path = FIXTURES / saved / name
+def test_old_directory_loads_with_the_installed_code_and_gives_its_saved_outputs(saved_dirs, saved, name):
+    path = saved_dirs / saved / name
     model = SAVED[saved][name].from_pretrained(path).eval()
     assert type(model).__module__ == "mm_fusion.modeling_mm_fusion"
     if name == "lora":  # from_pretrained serves the adapter beside the model it started from
         assert any(".lora_A." in n for n, _ in model.named_parameters())
     processor = AutoProcessor.from_pretrained(path)
-    image = Image.open(FIXTURES / saved / "image.png")
+    image = Image.open(saved_dirs / saved / "image.png")
     batch = processor(images=[image, image], text=TEXTS, padding=True, return_tensors="pt")
     inputs = _inputs(saved)
     assert batch.keys() == inputs.keys()
@@ -85,9 +104,9 @@ def test_old_directory_loads_with_the_installed_code_and_gives_its_saved_outputs
 
 
 @pytest.mark.parametrize("saved,name", [(saved, name) for saved, name in ANSWERING if name != "lora"])
-def test_old_head_directory_loads_as_the_bare_model(saved, name):
+def test_old_head_directory_loads_as_the_bare_model(saved_dirs, saved, name):
     """`AutoModel` on a head's directory: the bare model, the head's own fused output (the head's weights left out)."""
-    model = AutoModel.from_pretrained(FIXTURES / saved / name).eval()
+    model = AutoModel.from_pretrained(saved_dirs / saved / name).eval()
     assert type(model) is mm_fusion.MMFusionModel
     with torch.no_grad():
         pooled = model(**_inputs(saved)).pooler_output
@@ -95,19 +114,21 @@ def test_old_head_directory_loads_as_the_bare_model(saved, name):
 
 
 @pytest.mark.parametrize("saved,name", ANSWERING)
-def test_old_directory_serves_through_the_installed_pipeline(saved, name):
-    pipe = pipeline("image-text-classification", model=str(FIXTURES / saved / name))
+def test_old_directory_serves_through_the_installed_pipeline(saved_dirs, saved, name):
+    pipe = pipeline("image-text-classification", model=str(saved_dirs / saved / name))
     assert type(pipe) is mm_fusion.ImageTextClassificationPipeline
-    answers = pipe(image=[str(FIXTURES / saved / "image.png")] * 2, question=TEXTS)
+    answers = pipe(image=[str(saved_dirs / saved / "image.png")] * 2, question=TEXTS)
     assert [a[0]["answer"] for a in answers] == _answers(saved, name)
 
 
-def test_old_lora_directory_merges_into_a_model_with_its_outputs():
-    """An adapter that names the vision tower and its parts as they were before the vision encoder was a submodule
-    (its `modules_to_save` among them) is folded in whole: the merged model gives the adapted model's outputs."""
-    merged = merge_lora(FIXTURES / "saved_before_issue55" / "lora").eval()
+def test_old_lora_directory_merges_into_a_model_with_its_outputs(saved_dirs):
+    """An adapter that names the vision tower and its parts at the bare model's top level, not under its vision
+    encoder (its `modules_to_save` among them), is folded in whole: the merged model gives the adapted model's
+    outputs."""
+    saved = "resnet_tower_at_top_level"
+    merged = merge_lora(saved_dirs / saved / "lora").eval()
     with torch.no_grad():
-        assert_saved_outputs(merged(**_inputs("saved_before_issue55")), "saved_before_issue55", "lora")
+        assert_saved_outputs(merged(**_inputs(saved)), saved, "lora")
 
 
 def _comparable(config: dict) -> dict:
@@ -118,9 +139,9 @@ def _comparable(config: dict) -> dict:
     return {**{k: v for k, v in config.items() if k not in ("transformers_version", "use_cache")}, **towers}
 
 
-# Settings added since a directory was saved, written at the values that give the old model.
+# Settings a format's config lacks, which saving it again writes at the values that give the old model.
 ADDED = {
-    "saved_before_issue20": lambda old: {  # issue 21's vision towers and later
+    "vit_config_without_tower_settings": lambda old: {  # the vision-tower settings, init_scheme, fusion_layer_order
         "image_pooling": old["pooling_mode"],
         "vision_position_embedding": "sine",
         "vision_conv_stem": None,
@@ -131,24 +152,24 @@ ADDED = {
         "feature_map_bridge": True,
         "fusion_layer_order": "self_first",
     },
-    "saved_before_issue55": lambda old: {},
+    "resnet_tower_at_top_level": lambda old: {},
 }
 
 
 @pytest.mark.parametrize("saved,name", [(saved, name) for saved, name in MODELS if name != "lora"])
-def test_old_directory_saves_again_in_the_same_format(saved, name, tmp_path):
-    """The same config (and the settings added since), the weights under the names they were saved with, and the
-    model code beside them."""
-    model = SAVED[saved][name].from_pretrained(FIXTURES / saved / name)
+def test_old_directory_saves_again_in_the_same_format(saved_dirs, saved, name, tmp_path):
+    """The same config (and the settings it lacked), the weights under the names they were saved with, and the model
+    code beside them."""
+    model = SAVED[saved][name].from_pretrained(saved_dirs / saved / name)
     model.save_pretrained(tmp_path)
-    old = _comparable(json.loads((FIXTURES / saved / name / "config.json").read_text()))
+    old = _comparable(json.loads((saved_dirs / saved / name / "config.json").read_text()))
     added = ADDED[saved](old)
     assert not added.keys() & old.keys()
     assert _comparable(json.loads((tmp_path / "config.json").read_text())) == {**old, **added}
-    saved_weights = load_file(FIXTURES / saved / name / "model.safetensors")
+    saved_weights = load_file(saved_dirs / saved / name / "model.safetensors")
     assert load_file(tmp_path / "model.safetensors").keys() == saved_weights.keys()
     model_code = {"configuration_mm_fusion.py", "modeling_mm_fusion.py", "pipeline_mm_fusion.py"}
-    assert model_code <= {p.name for p in (FIXTURES / saved / name).glob("*.py")}  # what the old code saved with it
+    assert model_code <= {p.name for p in (saved_dirs / saved / name).glob("*.py")}  # what the old code saved with it
     assert model_code <= {p.name for p in tmp_path.glob("*.py")}
 
 
@@ -158,12 +179,12 @@ REMOTE = BLOCK_MM_FUSION + textwrap.dedent(
     import transformers
     from safetensors.torch import load_file
 
-    fixtures, models, texts = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
+    saved_dirs, models, texts = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
     answers = {}
     for saved, name, auto_class in models:
-        expected = load_file(f"{fixtures}/{saved}/expected.safetensors")
+        expected = load_file(f"{saved_dirs}/{saved}/expected.safetensors")
         inputs = {k[len("input."):]: v for k, v in expected.items() if k.startswith("input.")}
-        path = f"{fixtures}/{saved}/{name}"
+        path = f"{saved_dirs}/{saved}/{name}"
         model = getattr(transformers, auto_class).from_pretrained(path, trust_remote_code=True).eval()
         assert type(model).__module__.startswith("transformers_modules"), type(model).__module__
         with torch.no_grad():
@@ -174,7 +195,7 @@ REMOTE = BLOCK_MM_FUSION + textwrap.dedent(
         if auto_class == "AutoModelForVisualQuestionAnswering":
             pipe = transformers.pipeline("image-text-classification", model=path, trust_remote_code=True)
             assert type(pipe).__module__.startswith("transformers_modules"), type(pipe).__module__
-            found = pipe(image=[f"{fixtures}/{saved}/image.png"] * 2, question=texts)
+            found = pipe(image=[f"{saved_dirs}/{saved}/image.png"] * 2, question=texts)
             answers[f"{saved}/{name}"] = [a[0]["answer"] for a in found]
     assert not [m for m in sys.modules if m == "mm_fusion" or m.startswith("mm_fusion.")]
     print(json.dumps(answers))
@@ -182,11 +203,11 @@ REMOTE = BLOCK_MM_FUSION + textwrap.dedent(
 )
 
 
-def test_old_directory_loads_with_its_own_code_where_mm_fusion_is_not_importable(tmp_path):
+def test_old_directory_loads_with_its_own_code_where_mm_fusion_is_not_importable(saved_dirs, tmp_path):
     """Every saved model, in one interpreter that cannot import mm_fusion: its outputs, and its pipeline's answers."""
     models = [(saved, name, SAVED[saved][name].__name__) for saved, name in MODELS]
     run = subprocess.run(
-        [sys.executable, "-c", REMOTE, str(FIXTURES), json.dumps(models), json.dumps(TEXTS)],
+        [sys.executable, "-c", REMOTE, str(saved_dirs), json.dumps(models), json.dumps(TEXTS)],
         cwd=tmp_path,
         capture_output=True,
         text=True,
