@@ -19,9 +19,10 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.utils import ModelOutput, can_return_tuple
 
 from .configuration_mm_fusion import WORDS, MMFusionConfig
-from .distributed import all_gather_with_grad, gather_sizes, world
+from .flops import MMFusionFlopsMixin
 from .image_maps import ImageMaps
 from .image_maps import image_maps as _image_maps
+from .pretraining_loss import MMFusionPretrainingLoss
 from .vision_encoder import MMFusionVisionEncoder, bridge_features, pool, sequence
 from .vision_towers import (
     MMFusionFiLMLinear,
@@ -682,8 +683,9 @@ def _pytorch_draw(module: nn.Linear | nn.Conv2d) -> None:
         init.uniform_(module.bias, -bound, bound)
 
 
-class MMFusionPreTrainedModel(PreTrainedModel):
-    """Weight initialisation and capability flags shared by every MMFusion model."""
+class MMFusionPreTrainedModel(MMFusionFlopsMixin, PreTrainedModel):
+    """Weight initialisation, capability flags and the FLOP count ([`MMFusionFlopsMixin`]) shared by every MMFusion
+    model."""
 
     config_class = MMFusionConfig
     base_model_prefix = "mm_fusion"
@@ -719,91 +721,6 @@ class MMFusionPreTrainedModel(PreTrainedModel):
                     "from two towers and the fusion streams, so there is no single layer numbering to select from."
                 )
         return output_attentions, output_hidden_states
-
-    def floating_point_ops(self, input_dict: dict, exclude_embeddings: bool = True) -> int:
-        """
-        Training FLOPs of one batch, for Trainer's `total_flos` and the MFU estimate (Trainer's default counts only
-        the text tokens): 6 x the multiply-accumulates of the forward (2 FLOPs each, and the backward twice the
-        forward), per part of the model.
-
-        - A transformer vision tower: 6 x parameters x tokens, per part: the vision tower over the patches of each
-          distinct image, the text tower over the text tokens, the rest over every fused pair.
-        - A backbone / convolutional tower reuses each weight at every position of a feature map, so its cost is no
-          parameter count times tokens: the bare model's forward FLOPs per image, per pair and per text token are
-          measured once per image shape ([`_flop_rates`]), and the heads add 2 x their parameters per pair. With a
-          tower conditioned on each text (`vision_text_attention`, `vision_film`) the stem and the stages up to the
-          first conditioned one count once per distinct image and the rest of the tower, with the stages' reads of
-          the text, once per text. The pretraining head's second fusion pass (image-text matching with hard
-          negatives) is not counted.
-        """
-        pixel_values, input_ids = input_dict.get("pixel_values"), input_dict.get("input_ids")
-        if pixel_values is None or input_ids is None:
-            return super().floating_point_ops(input_dict, exclude_embeddings)
-        mask = input_dict.get("attention_mask")
-        tokens = int(mask.sum()) if mask is not None else input_ids.numel()
-        pairs = input_ids.shape[0]
-        config = self.config
-        conditioned = config.vision_film or config.vision_text_attention
-        if config.vision_tower_type != "transformer":  # no walk over the parameters: Trainer asks every step
-            per_image, per_pair, per_token = self._flop_rates(tuple(pixel_values.shape[1:]))
-            # A conditioned tower runs on the distinct images only when texts share them (`image_index`).
-            images = min(len(pixel_values), pairs) if conditioned else len(pixel_values)
-            embeddings = 0
-            if not exclude_embeddings:
-                embeddings = self._flop_parameter_counts(False)[1] - self._flop_parameter_counts(True)[1]
-            return 3 * (per_image * images + per_pair * pairs + per_token * tokens) + 6 * embeddings * tokens
-        vision, text, rest = self._flop_parameter_counts(exclude_embeddings)
-        patches = (pixel_values.shape[-1] // getattr(config.vision_config, "patch_size", 16)) ** 2 + 1
-        images = pairs if conditioned else pixel_values.shape[0]  # a tower conditioned on the text: one per text
-        return 6 * (vision * images * patches + text * tokens + rest * (tokens + pairs * patches))
-
-    def _flop_rates(self, image_shape: tuple[int, ...]) -> tuple[int, int, int]:
-        """
-        Forward FLOPs per image, per image-text pair and per text token, at this `(channels, height, width)`, of a
-        model with a backbone / convolutional tower: the bare model's, counted by `FlopCounterMode` (convolutions,
-        matrix products, attention) on a copy built on the meta device (no memory, no compute) for 1 image with 1
-        text of 1 token, 2 texts of 1 token and 1 text of 2 tokens, plus 2 x the heads' parameters per pair. Cached
-        per shape. Linear in the text length: the texts' self-attention (quadratic in it) and the stage reads' way of
-        computing (chosen by it) put the default model within 4% of a count at the real length, up to 64 tokens.
-        """
-        rates = self.__dict__.setdefault("_flop_rates_by_shape", {})
-        if image_shape not in rates:
-            from torch.utils.flop_counter import FlopCounterMode
-
-            with torch.device("meta"):
-                bare = MMFusionModel(copy.deepcopy(self.config), add_projection_layers=False).eval()
-
-            def forward_flops(texts: int, length: int) -> int:
-                inputs = {
-                    "pixel_values": torch.empty(1, *image_shape, device="meta"),
-                    "input_ids": torch.zeros(texts, length, dtype=torch.long, device="meta"),
-                    "image_index": torch.zeros(texts, dtype=torch.long),  # on the CPU: the forward checks its values
-                }
-                with FlopCounterMode(display=False) as counter:
-                    bare(**inputs)
-                return counter.get_total_flops()
-
-            one = forward_flops(1, 1)
-            per_token = forward_flops(1, 2) - one
-            per_pair = forward_flops(2, 1) - one - per_token
-            base = getattr(self, self.base_model_prefix, self)
-            heads = self.num_parameters(exclude_embeddings=True) - base.num_parameters(exclude_embeddings=True)
-            rates[image_shape] = (one - per_pair - per_token, per_pair + 2 * heads, per_token)
-        return rates[image_shape]
-
-    def _flop_parameter_counts(self, exclude_embeddings: bool) -> tuple[int, int, int]:
-        """Parameters of the vision tower, the text tower and the rest; counted once per model size (Trainer asks
-        for the FLOPs of every step, and counting walks every module)."""
-        size = sum(p.numel() for p in self.parameters())  # changes with resize_token_embeddings and the like
-        cached = getattr(self, "_flop_counts", {}).get(exclude_embeddings)
-        if cached is None or cached[0] != size:
-            base = getattr(self, self.base_model_prefix, self)
-            vision = base.vision_model.num_parameters(exclude_embeddings=exclude_embeddings)
-            text = base.text_model.num_parameters(exclude_embeddings=exclude_embeddings)
-            rest = self.num_parameters(exclude_embeddings=exclude_embeddings) - vision - text
-            cached = (size, vision, text, rest)
-            self.__dict__.setdefault("_flop_counts", {})[exclude_embeddings] = cached
-        return cached[1:]
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module):
@@ -1517,103 +1434,6 @@ class MMFusionForImageTextClassification(MMFusionPreTrainedModel):
                 f"Labels must be class indices in [0, {num_labels}) (or -100 to ignore); got {labels[bad].tolist()}. "
                 "Does num_labels match your label set?"
             )
-
-
-class MMFusionPretrainingLoss:
-    r"""
-    The ITC + ITM loss of [`MMFusionForPretraining`] and what it sees of the run, as open_clip's `ClipLoss`: told the
-    process's `rank` and the `world_size`, it scores each rank's pairs against every rank's (features all-gathered
-    with their gradient) and draws the ITM negatives from the global batch with a seed shared by the ranks. The
-    default, `world_size=1`, is this process's batch alone: no collective, whatever process group exists.
-    `MMFusionTrainer` passes one told the run's ranks; a model called without one never touches a process group.
-
-    Example (in each process of a `torch.distributed` run):
-
-    ```python
-    >>> rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    >>> loss_fn = MMFusionPretrainingLoss(rank=rank, world_size=world_size)
-    >>> out = model(**batch, return_loss=True, loss_fn=loss_fn)
-    ```
-    """
-
-    def __init__(self, rank: int = 0, world_size: int = 1):
-        if world_size < 1 or not 0 <= rank < world_size:
-            raise ValueError(
-                f"MMFusionPretrainingLoss needs 0 <= rank < world_size, got rank {rank}, world_size {world_size}."
-            )
-        self.rank, self.world_size = rank, world_size
-
-    @classmethod
-    def from_process_group(cls) -> "MMFusionPretrainingLoss":
-        """Told the rank and size of the default process group (a single process without one)."""
-        world_size, rank = world()
-        return cls(rank=rank, world_size=world_size)
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}(rank={self.rank}, world_size={self.world_size})"
-
-    def __call__(self, model, encoded, attention_mask, image_embeds, text_embeds, fusion_kwargs) -> tuple:
-        """`model`'s loss on this rank's pairs: `(loss, itc_loss, itm_loss, logits_per_image, logits_per_text,
-        itm_logits, fused)` (the ITM fields `None` with `itm_loss_weight=0`)."""
-        config = model.config
-        itc_loss, logits_per_image, logits_per_text = model.contrastive_loss(image_embeds, text_embeds, loss_fn=self)
-        loss = config.itc_loss_weight * itc_loss
-        itm_loss = itm_logits = fused = None
-        if config.itm_loss_weight > 0:
-            itm_loss, itm_logits, fused = model._itm(
-                encoded, attention_mask, image_embeds, text_embeds, fusion_kwargs, loss_fn=self
-            )
-            loss = loss + config.itm_loss_weight * itm_loss
-        return loss, itc_loss, itm_loss, logits_per_image, logits_per_text, itm_logits, fused
-
-    def gather(self, x: torch.Tensor, rows: list[int] | None = None, length: int | None = None) -> torch.Tensor:
-        """Every rank's `x` along dim 0, in rank order, with its gradient ([`all_gather_with_grad`]); `x` alone in a
-        world of one."""
-        return x if self.world_size == 1 else all_gather_with_grad(x, rows, length)
-
-    def sizes(self, x: torch.Tensor, dims: int = 1) -> list[tuple[int, ...]]:
-        """Every rank's `x.shape[:dims]`, in rank order."""
-        return [tuple(x.shape[:dims])] if self.world_size == 1 else gather_sizes(x, dims)
-
-    def shared_seed(self, device: torch.device) -> int:
-        """A seed drawn from the global torch RNG, rank 0's on every rank."""
-        seed = torch.randint(0, 2**62, (1,), dtype=torch.int64)
-        if self.world_size > 1:
-            seed = seed.to(device)
-            torch.distributed.broadcast(seed, src=0)
-        return int(seed.item())
-
-    def itm_inputs(
-        self,
-        image_features: list[torch.Tensor],
-        text_features: list[torch.Tensor],
-        attention_mask: torch.Tensor | None,
-        image_embeds: torch.Tensor,
-        text_embeds: torch.Tensor,
-    ) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor | None, torch.Tensor, torch.Tensor, int]:
-        """
-        The global batch ITM draws negatives from: every rank's tower features and text masks, all-gathered with
-        their gradient (texts zero-padded to the longest length of any rank, batches of any size), the normalised
-        embeddings (without gradient), and this rank's offset into them. The inputs themselves in a world of one.
-        """
-        if self.world_size == 1:
-            return image_features, text_features, attention_mask, image_embeds, text_embeds, 0
-        sizes = self.sizes(text_features[0], dims=2)  # (B, T) of every rank
-        rows, length = [B for B, _ in sizes], max(T for _, T in sizes)
-        if attention_mask is None:
-            B, T = text_features[0].shape[:2]
-            attention_mask = torch.ones(B, T, dtype=torch.long, device=text_features[0].device)
-        with torch.no_grad():
-            all_image_embeds = self.gather(image_embeds, rows)
-            all_text_embeds = self.gather(text_embeds, rows)
-        return (
-            [self.gather(f, rows) for f in image_features],
-            [self.gather(f, rows, length) for f in text_features],
-            self.gather(attention_mask, rows, length),
-            all_image_embeds,
-            all_text_embeds,
-            sum(rows[: self.rank]),
-        )
 
 
 class MMFusionForPretraining(MMFusionPreTrainedModel):

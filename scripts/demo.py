@@ -99,7 +99,7 @@ class Demo:
         from transformers import AutoConfig, pipeline
 
         import mm_fusion  # registers the pipelines
-        from mm_fusion.image_maps import measured_map_figures
+        from mm_fusion.map_scoring import measured_map_figures
 
         self.model_dir = Path(model_dir)
         mm_fusion.check_model_path(self.model_dir)

@@ -27,7 +27,9 @@ from transformers import AutoConfig, AutoModelForVisualQuestionAnswering, AutoPr
 import mm_fusion  # registers the Auto classes
 from mm_fusion.cli import ScriptArgumentParser
 from mm_fusion.head_check import MissingHeadError, check_saved_head
-from mm_fusion.image_maps import ANSWER_METHODS, METHODS, default_method, describe, measured_map_figures, plot
+from mm_fusion.image_maps import ANSWER_METHODS, METHODS, default_method, describe
+from mm_fusion.map_plot import plot
+from mm_fusion.map_scoring import measured_map_figures
 
 
 @dataclass

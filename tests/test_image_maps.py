@@ -8,17 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from mm_fusion import MMFusionForImageTextClassification
-from mm_fusion.image_maps import (
-    deletion_test,
-    foreground_masks,
-    paint,
-    peak_inside,
-    peak_on,
-    pixel_contributions,
-    reachable,
-    smoothing_window,
-    upsample,
-)
+from mm_fusion.image_maps import pixel_contributions, smoothing_window, upsample
+from mm_fusion.map_scoring import deletion_test, foreground_masks, paint, peak_inside, peak_on, reachable
 
 
 def classifier(tester, fusion_type: str, tower: str, **kwargs) -> MMFusionForImageTextClassification:

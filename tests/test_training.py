@@ -16,7 +16,7 @@ from PIL import Image
 from transformers import AutoModelForPreTraining, AutoModelForVisualQuestionAnswering, AutoProcessor, pipeline
 
 from mm_fusion.data import load_easy_vqa
-from mm_fusion.image_maps import foreground_masks, peak_on
+from mm_fusion.map_scoring import foreground_masks, peak_on
 from mm_fusion.training import (
     MMFusionImageGroupedSampler,
     MMFusionMonitorCallback,

@@ -6,7 +6,7 @@ import os
 import torch
 from transformers.utils import logging
 
-from ..modeling_mm_fusion import MMFusionPretrainingLoss
+from ..pretraining_loss import MMFusionPretrainingLoss
 
 
 # Written into each checkpoint of an `--auto_find_batch_size` run: the per-device batch and accumulation the ranks

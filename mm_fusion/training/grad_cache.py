@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from transformers.utils import logging
 
-from ..modeling_mm_fusion import MMFusionPretrainingLoss
+from ..pretraining_loss import MMFusionPretrainingLoss
 from .pretraining import PretrainingLossMixin
 
 

@@ -18,7 +18,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from ..image_maps import check_maps, foreground_masks
+from ..map_scoring import check_maps, foreground_masks
 
 
 QUESTIONS = 1000  # evaluation questions checked (evenly spread over the evaluation pairs)

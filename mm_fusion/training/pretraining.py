@@ -2,7 +2,7 @@
 
 import torch
 
-from ..modeling_mm_fusion import MMFusionPretrainingLoss
+from ..pretraining_loss import MMFusionPretrainingLoss
 from .checkpoints import is_peft_model
 
 

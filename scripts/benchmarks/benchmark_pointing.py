@@ -10,7 +10,7 @@ the peak must fall on the shape's pixels (those whose colour differs from the im
 Every map the model has is measured (`MMFusionForImageTextClassification.image_maps`): the default
 (`guided_gradient`), `input_x_gradient`, the question's cross-attention (mean over its tokens, and the colour word's
 alone), Grad-CAM, and for a tower conditioned by cross-attention its stages' reads of the colour word. For each:
-pointing per family, and the deletion test (`mm_fusion.image_maps.deletion_test`: the image's median colour painted
+pointing per family, and the deletion test (`mm_fusion.map_scoring.deletion_test`: the image's median colour painted
 over the 10 x 10 square at the peak, and over a random square away from it; how often the answer changes). On
 Sort-of-CLEVR also, whatever the map: the counterfactual (re-draw the scene with only the named object's shape
 changed, then only another object's: the answer should follow the first and ignore the second) and what removing the
@@ -93,7 +93,7 @@ def measure(
     """Pointing accuracy per layer and family (and overall for the non-relational families), answer accuracy. With
     `colour_word` (attention only), the map is the colour word's attention alone, not the mean over the question. With
     `deletion`, the deletion test of its last layer's map ([`deletion_figures`])."""
-    from mm_fusion.image_maps import deletion_test, peak_inside, reachable
+    from mm_fusion.map_scoring import deletion_test, peak_inside, reachable
 
     pointed, possible, right, families, layers, used = [], [], [], [], None, None
     changed = {"peak": [], "random": []}
@@ -221,7 +221,7 @@ def occlusion_pointing(model, processor, test, boxes, images: int = 50, side: in
     when the image's median colour is painted over each `side` x `side` square (every `stride` pixels), each pixel
     given the mean drop of the squares over it; the share whose peak lies inside the named object.
     """
-    from mm_fusion.image_maps import paint, peak_inside
+    from mm_fusion.map_scoring import paint, peak_inside
 
     keep = [i for i, (f, image) in enumerate(zip(test["question_family"], test["image_id"]))
             if f in NON_RELATIONAL and image < images]  # fmt: skip
@@ -304,7 +304,8 @@ def grid_examples(test, count: int = 8) -> list[int]:
 
 
 def draw_grid(model, processor, test, boxes, path: str, method: str | None, colour_word: bool = False) -> None:
-    from mm_fusion.image_maps import describe, plot
+    from mm_fusion.image_maps import describe
+    from mm_fusion.map_plot import plot
 
     picked = grid_examples(test)
     rows = test.select(picked)[:]  # plain lists: a processor takes no `datasets` Column
@@ -427,7 +428,7 @@ def easy_vqa_pointing(model_dir: str, questions: int | None = None, methods=None
     from PIL import Image
 
     from mm_fusion.data import load_easy_vqa
-    from mm_fusion.image_maps import check_maps, foreground_masks
+    from mm_fusion.map_scoring import check_maps, foreground_masks
 
     model, processor = load(model_dir)
     test = load_easy_vqa(["test"])["test"]
