@@ -13,7 +13,7 @@ scripts/benchmarks/README.md.
     python scripts/benchmarks/benchmark_training.py --runs default,default@41766e4 --seeds 0   # against older code
 
 A run named `RECIPE@COMMIT` is the recipe's command on the code of that commit (a git worktree of it, first on the
-`PYTHONPATH`), so that a change is timed against the code before it in the same session, interleaved.
+`PYTHONPATH`), so that a change is timed against another commit's code on the same machine, interleaved.
 
 Writes scripts/benchmarks/results/benchmark_training.{md,json} (merged with the runs already there: a recipe's runs
 of other seeds on the same machine stay in its row) and prints the table.
@@ -36,10 +36,10 @@ from transformers import HfArgumentParser
 
 
 SHORT = ["--num_train_epochs", "3"]  # the ablations: 3 epochs each, against the same 3-epoch baseline
-TWO_LAYERS = ["--fusion_layers", "2"]  # the default model until issue 52's sixth session
+TWO_LAYERS = ["--fusion_layers", "2"]
 # Two fusion layers over a tower that does not read the question: the baseline model (model_configs/).
 BASELINE_MODEL = Path(__file__).with_name("model_configs") / "two_fusion_layers_blind_tower.json"
-PREVIOUS_MODEL = ["--model_config", str(BASELINE_MODEL)]
+BLIND_TOWER = ["--model_config", str(BASELINE_MODEL)]
 RUNS = {
     "default": [],
     "default_4_epochs": ["--num_train_epochs", "4"],
@@ -64,9 +64,9 @@ RUNS = {
         "5",
     ],
     "full": ["scripts/configs/easy_vqa_full.yaml"],
-    "previous_default": PREVIOUS_MODEL,
-    "previous_default_no_limit": ["--image_group_size", "0", *PREVIOUS_MODEL],
-    "previous_full": ["scripts/configs/easy_vqa_full.yaml", *PREVIOUS_MODEL],
+    "blind_tower": BLIND_TOWER,
+    "blind_tower_no_limit": ["--image_group_size", "0", *BLIND_TOWER],
+    "blind_tower_full": ["scripts/configs/easy_vqa_full.yaml", *BLIND_TOWER],
     "default_late": ["--fusion_type", "late"],
     "full_late": ["scripts/configs/easy_vqa_full.yaml", "--fusion_type", "late"],
     "short": SHORT,
@@ -80,22 +80,18 @@ RUNS = {
 DESCRIPTIONS = {
     "default": "no arguments: a ResNet tower (stages of 24, 48, 96 channels, sine positions) whose stages read the "
     "question, one hierarchical text-to-image fusion layer reading its last stage, the questions in a random order, "
-    "peak learning rate 5e-4 with gradients clipped at norm 1, 3.5 epochs (sixth session; seeds 42, 0-4 ran as "
-    "--fusion_layers 1 --num_train_epochs 3.5, before those became the default)",
-    "default_4_epochs": "the default for 4 epochs (sixth session; ran as --fusion_layers 1 when the default had two)",
-    "default_3_epochs": "the default for 3 epochs (sixth session; ran as --fusion_layers 1 --num_train_epochs 3)",
-    "default_2_fusion_layers": "the default of issue 52's second to fifth sessions: two fusion layers (reading "
-    "stages 2 and 3), 4 epochs (seeds 0-4 ran as the default, second session)",
-    "default_3.5_epochs": "two fusion layers, 3.5 epochs at 7e-4 clipped at 5 (the default of the fourth and fifth "
-    "sessions; seeds 0-4 ran as the default of commit 839b25c, with no arguments)",
-    "default_3.25_epochs": "two fusion layers, 3.25 epochs at 7e-4 clipped at 5 (fifth session; seeds 0-4 ran as the "
-    "default of commit 82208ac, with no arguments)",
-    "full": "scripts/configs/easy_vqa_full.yaml: the default model (one fusion layer since the sixth session) and "
-    "batches, 6 epochs at 5e-4 clipped at 1",
-    "previous_default": "the default before the tower read the question (no stages' reads, fusion layers drawn from "
-    "N(0, 0.02), the feature-map bridge)",
-    "previous_default_no_limit": "previous_default with all questions of an image in a row (--image_group_size 0)",
-    "previous_full": "scripts/configs/easy_vqa_full.yaml with the previous default model",
+    "peak learning rate 5e-4 with gradients clipped at norm 1, 3.5 epochs",
+    "default_4_epochs": "the default for 4 epochs",
+    "default_3_epochs": "the default for 3 epochs",
+    "default_2_fusion_layers": "the default with two fusion layers (reading stages 2 and 3), 4 epochs",
+    "default_3.5_epochs": "two fusion layers, 3.5 epochs at 7e-4 clipped at 5",
+    "default_3.25_epochs": "two fusion layers, 3.25 epochs at 7e-4 clipped at 5",
+    "full": "scripts/configs/easy_vqa_full.yaml: the default model and batches, 6 epochs at 5e-4 clipped at 1",
+    "blind_tower": "two fusion layers over a tower that does not read the question (model_configs/"
+    "two_fusion_layers_blind_tower.json: no stage reads the text, the fusion drawn from N(0, 0.02), the tower's "
+    "tokens through a second Linear)",
+    "blind_tower_no_limit": "blind_tower with all questions of an image in a row (--image_group_size 0)",
+    "blind_tower_full": "scripts/configs/easy_vqa_full.yaml with the blind-tower model",
     "default_late": "the default with late fusion (dual encoder, no cross-attention), 6 epochs",
     "full_late": "the full config with late fusion, 8 epochs",
     "short": "3 epochs (the ablations' baseline)",
@@ -103,7 +99,7 @@ DESCRIPTIONS = {
     "image_only": "3 epochs, texts blanked to [CLS] [SEP]",
     "text_only": "3 epochs, images blanked to black",
     "bidirectional": "3 epochs, co-attention in both directions",
-    "default_vit": "the default with the ViT tower of the earlier default (4 layers, patch 8), 6 epochs",
+    "default_vit": "the default with a ViT tower (4 layers, patch 8), 6 epochs",
     "full_vit": "scripts/configs/easy_vqa_full.yaml with the ViT tower, 14 epochs",
 }
 
