@@ -176,9 +176,9 @@ ENTRY_POINTS = {  # the command line, and its exit status for a missing model
 
 @pytest.mark.parametrize("entry_point", list(ENTRY_POINTS))
 def test_a_model_neither_local_nor_reachable_on_the_hub_is_one_line_at_once(entry_point, tmp_path):
-    """Issue 55: with the hub unreachable and HF_HUB_OFFLINE unset, `--model outputs/no-such-model` took 35 s of
-    retries and ended in a traceback. Now one line naming it, as soon as the command has imported its libraries
-    (about 0.1 s after them; the bound is loose for a busy machine)."""
+    """With the hub unreachable and HF_HUB_OFFLINE unset, `--model outputs/no-such-model` is one line naming it, as
+    soon as the command has imported its libraries (about 0.1 s after them; the bound is loose for a busy machine):
+    no retries against the hub, no traceback."""
     argv, status = ENTRY_POINTS[entry_point]
     if argv[0].startswith("scripts/"):
         argv = [str(ROOT / argv[0]), *argv[1:]]
@@ -312,10 +312,10 @@ def test_a_mistyped_flag_under_accelerate_launch_is_one_line(tmp_path):
     ],
 )
 def test_a_wrong_config_override_is_one_line_before_any_data_is_read(tmp_path, capsys, override, message):
-    """Issue 55: `--config_overrides` is checked with the other arguments. A mistyped key used to be taken silently
-    (an 8-minute run that ignored it) and a wrong value failed only after the data was read and the tokenizer
-    trained. Now: exit status 2, one `error:` line naming the key or value, and no output directory made. The
-    script runs as a user runs it for the first case (the others: its `main`, in this process)."""
+    """`--config_overrides` is checked with the other arguments, before any data is read or tokenizer trained: a
+    mistyped key or a wrong value is exit status 2, one `error:` line naming the key or value, and no output
+    directory made. The script runs as a user runs it for the first case (the others: its `main`, in this
+    process)."""
     script = ROOT / "scripts" / "train.py"
     out = tmp_path / "out"
     argv = ["--output_dir", str(out), "--config_overrides", override]

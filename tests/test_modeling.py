@@ -317,9 +317,9 @@ def test_default_config_builds_small_vit_and_bert():
         MMFusionConfig(fusion_layer_order="cross")
 
 
-def test_a_config_saved_before_fusion_layer_order_loads_self_first(tester, tmp_path):
-    """Models saved before the option attended to themselves first: their configs, which lack it, say so on loading,
-    and a config saved now keeps its order."""
+def test_a_config_without_fusion_layer_order_loads_self_first(tester, tmp_path):
+    """A config that lacks `fusion_layer_order` (saved by a version without the option, whose layers attend to
+    themselves first) loads as `self_first`, and a config that has it keeps its order."""
     for order in ("cross_first", "self_first"):
         tester.config(fusion_layer_order=order).save_pretrained(tmp_path / order)
         assert AutoConfig.from_pretrained(tmp_path / order).fusion_layer_order == order
@@ -701,7 +701,7 @@ def test_error_labels_out_of_range(tester):
     [(MMFusionForImageTextClassification, "lables"), (MMFusionForPretraining, "retrun_loss"), (MMFusionModel, "imgs")],
 )
 def test_error_misspelt_keyword_argument(tester, head, typo):
-    """A misspelt `labels` used to be swallowed by `**kwargs`: no loss, no error."""
+    """A misspelt keyword (`lables` for `labels`) is a TypeError naming it, not swallowed by `**kwargs`."""
     model = head(tester.config()).eval()
     with pytest.raises(TypeError, match=typo):
         model(**tester.inputs(), **{typo: torch.tensor([0, 1, 2])})
@@ -729,7 +729,7 @@ def test_error_image_index_outside_the_images(tester):
     model = MMFusionForImageTextClassification(tester.config()).eval()
     inputs = tester.inputs()
     pixel_values = inputs["pixel_values"][:2]
-    for bad in ([0, -1, 1], [0, 2, 1]):  # -1 used to wrap around to the last image
+    for bad in ([0, -1, 1], [0, 2, 1]):  # -1 is refused, not read as the last image
         with pytest.raises(ValueError, match=rf"rows of pixel_values in \[0, 2\); got \[{bad[1]}\]"):
             model(**{**inputs, "pixel_values": pixel_values}, image_index=torch.tensor(bad))
 

@@ -236,9 +236,9 @@ def test_vqa_pipeline_names_the_bad_input(vqa_run, tmp_path):
 
 
 def test_a_task_whose_head_the_model_lacks_is_refused_before_any_weight_is_read(vqa_run, pretrain_run, monkeypatch):
-    """transformers' zero-shot pipeline served a VQA model from fresh layers (near-uniform scores, silently), and
-    mm_fusion's own pipelines refused only after loading it. Now every such task is refused before `from_pretrained`
-    runs, with what was saved and what serves it; loading across heads outside a pipeline (fine-tuning) still works."""
+    """A pipeline task the saved head does not serve (transformers' zero-shot pipeline on a VQA model would serve it
+    from fresh layers, near-uniform scores, silently) is refused before `from_pretrained` runs, with what was saved
+    and what serves it; loading across heads outside a pipeline (fine-tuning) works."""
     vqa, pretrain = str(vqa_run[0]), str(pretrain_run[0])
     cases = [
         (task, vqa, "MMFusionForImageTextClassification", "It serves image-text-classification.")

@@ -1,4 +1,4 @@
-"""Directories saved by earlier mm_fusion versions, in formats this one no longer writes
+"""Directories saved by earlier mm_fusion versions, in formats this version does not write
 (`tests/fixtures/saved_models`, each described by its SAVED_BY.txt), load with this one, give the outputs they gave
 when saved, serve through the pipelines, load with their own code where mm_fusion is not importable, and save again
 in the same format."""

@@ -353,7 +353,7 @@ def test_an_unshuffled_stream_resumed_mid_pass_reads_its_next_pass_whole(tmp_pat
     assert first + [row["id"] for row in resumed] == shards["good"] * 2
 
 
-# --- bad input found by a held-out run (issue 30): every bad shard or row reported, every good pair read once -----
+# --- bad input: every bad shard or row reported, every good pair read once -------------------------------------------
 
 
 def _flip(data: bytes, index: int) -> bytes:

