@@ -492,8 +492,13 @@ def test_attentions_need_the_eager_implementation_chosen_the_transformers_way(te
         with torch.no_grad():
             out = eager.eval()(**inputs, output_attentions=True)
         assert len(out.text_to_image_attentions) == 2 and len(out.text_attentions) == 2
+
+
+def test_output_hidden_states_is_a_flag_not_a_list_of_layers(tester):
+    """Two towers and two fusion streams have no single layer numbering: a list of layers to keep is refused."""
+    model = MMFusionModel(_small_config(tester)).eval()
     with pytest.raises(TypeError, match="`output_hidden_states` must be True or False"):
-        model(**inputs, output_hidden_states=[0, 2])
+        model(**tester.inputs(), output_hidden_states=[0, 2])
 
 
 @pytest.mark.parametrize("head", HEADS)
