@@ -1,5 +1,5 @@
-"""`.ci/import_cycles.py`, the lint step that keeps `mm_fusion`'s imports free of cycles, finds the cycles a lazy
-import or an import of the package root makes, and passes `mm_fusion` itself."""
+"""`.ci/import_cycles.py`, the lint step that keeps `mm_fusion`'s imports free of cycles (.ci/run runs it on
+`mm_fusion`), finds the cycles a lazy import or an import of the package root makes."""
 
 import subprocess
 import sys
@@ -55,9 +55,3 @@ def test_importing_the_package_root_from_a_module_it_imports_is_a_cycle(tmp_path
     # The same import from the module that defines the class is no cycle.
     (package / "export.py").write_text("GRAPHS = []\n\ndef main():\n    from .modeling import Head\n")
     assert check(package).returncode == 0
-
-
-def test_mm_fusion_has_no_import_cycle():
-    done = check(ROOT / "mm_fusion")
-    assert done.returncode == 0, done.stderr
-    assert "0 cycles" in done.stdout
