@@ -60,13 +60,9 @@ def test_tiny_run_has_a_row_per_model_contender_and_precision(bench, tmp_path):
     assert "--vision_tower" not in resnet["command"]  # scripts/train.py's default model
     assert {r["model"] for r in report["ratios"]} == set(bench.MODELS)
     assert all(r["bf16_over_fp32"] > 0 and r["same_model_as_run_clip"] for r in report["ratios"])
-
-    table = output.with_name("gpu.md").read_text()
-    for model, contender, precision in expected:
-        assert f"| {model} | {contender} | {precision} |" in table
-    assert "| 16 (probe from 16) |" in table
-    if not torch.cuda.is_available():
-        assert "| - |" in table  # MFU without a known peak
+    # The tiny models fit the batch the probe starts from: it keeps it, without accumulation.
+    probes = [rows[(model, "mm_fusion_auto_batch", "bf16")] for model in bench.MODELS]
+    assert any((p["per_device_batch_size"], p["gradient_accumulation_steps"]) == (16, 1) for p in probes)
 
 
 def test_step_counts_must_fill_the_monitor_windows(bench):

@@ -55,8 +55,8 @@ def test_tiny_run_compares_recipes_under_both_allocators(tmp_path):
     for allocator in benchmark_lora_memory.ALLOCATORS:  # checkpointing took effect: fewer activations kept
         full, lora = (trials[allocator, r]["saved_for_backward_mib"] for r in ("full", "lora+ckpt"))
         assert lora < full / 2
+    # The report's one line that is not in the JSON: the ratio a user's comparison gives.
     table = output.with_suffix(".md").read_text()
-    assert table.count("| full |") == 2 and "| 1.00 |" in table and "| lora+ckpt |" in table
     as_they_come = (
         trials["glibc, mmap over 64 KiB", "lora+ckpt"]["peak_memory_mib"] / trials["glibc", "full"]["peak_memory_mib"]
     )

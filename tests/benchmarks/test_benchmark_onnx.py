@@ -27,4 +27,4 @@ def test_tiny_run_times_every_graph_and_batch_size(tmp_path):
         assert r["max_abs_difference"] < 1e-4
         speedup = r["pytorch_ms_per_call"]["median"] / r["onnxruntime_ms_per_call"]["median"]
         assert r["speedup"] == pytest.approx(speedup)
-    assert report["threads"] >= 1 and "| vqa | model.onnx | 3 |" in output.with_suffix(".md").read_text()
+    assert report["threads"] >= 1
