@@ -56,6 +56,7 @@ def tiny_run_args(output_dir: str, task: str, batch_size: int) -> list[str]:
 
 def count_decodes(log: str) -> None:
     """Append this process's rank to `log` on every image decode (the cache's and the processor's function)."""
+    import mm_fusion.data.preprocessing as preprocessing
     import mm_fusion.image_processing_mm_fusion as image_processing
 
     load_image = image_processing.load_image
@@ -66,6 +67,7 @@ def count_decodes(log: str) -> None:
         return load_image(*args, **kwargs)
 
     image_processing.load_image = counting_load_image
+    preprocessing.load_image = counting_load_image  # what the cache's image map calls
 
 
 def main() -> None:
