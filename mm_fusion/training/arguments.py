@@ -668,9 +668,10 @@ class MMFusionArgumentParser(ScriptArgumentParser):
         super().__init__((ModelArguments, DataArguments, MMFusionTrainingArguments), **kwargs)
 
     def fail(self, error: BaseException | str, status: int = 1):
-        """[`ScriptArgumentParser.fail`], printed by the first process of a multi-process launch only: every rank
-        meets the same error, and the user reads it once."""
-        if int(os.environ.get("RANK", "0")) != 0:
+        """[`ScriptArgumentParser.fail`]; a usage or data error (status 2) is printed by the first process of a
+        multi-process launch only: every rank meets the same one, and the user reads it once. A failure of the run
+        itself is printed by the rank it happened on."""
+        if status == 2 and int(os.environ.get("RANK", "0")) != 0:  # bad arguments or data: every rank meets them
             self.exit(status)
         super().fail(error, status)
 
