@@ -225,7 +225,7 @@ class MMFusionConfig(PreTrainedConfig):
             With `vision_text_attention`: the first stage after the stem whose cells read the text (1 = every stage).
             The stages before it do not depend on the text: with image-grouped batches (`image_index`) they run once
             per distinct image, as the stem does. Measured at 2 on the default model: no faster in a random order,
-            and Sort-of-CLEVR learned later (scripts/benchmarks/README.md, benchmark_sort_of_clevr.py).
+            and Sort-of-CLEVR learned later (scripts/benchmarks/RESULTS.md, benchmark_sort_of_clevr.py).
         pooling_mode (`str`, *optional*, defaults to `"mean"`):
             How a sequence becomes one vector: `"mean"` (over non-padding tokens / all patches) or `"cls"` (first
             token).

@@ -24,7 +24,7 @@ Where a classification model looks in the image for its answer, as maps over the
   hidden state's patch tokens for a transformer tower.
 
 How well each points at the object a question names, and whether painting over its peak changes the answer, is
-measured by `scripts/benchmarks/benchmark_pointing.py` (scripts/benchmarks/README.md).
+measured by `scripts/benchmarks/benchmark_pointing.py` (figures: scripts/benchmarks/RESULTS.md).
 
 Maps are on the image's token grid or pixels, `(height, width)`; [`upsample`] puts them on the image's pixels. Saved
 with the model's code: the pipelines' `return_map=True` uses it. Scoring maps (where their peak falls, the deletion
@@ -69,7 +69,7 @@ class ImageMaps:
 
 
 def default_method(config) -> str:
-    """Of the maps measured, the one whose peak lies on the named object most often (scripts/benchmarks/README.md,
+    """Of the maps measured, the one whose peak lies on the named object most often (scripts/benchmarks/RESULTS.md,
     benchmark_pointing.py): `"guided_gradient"` for cross-attention fusion, `"input_x_gradient"` for late fusion
     (whose coarse map, Grad-CAM on the last stage, points worse than the pixels alone)."""
     return "input_x_gradient" if config.fusion_type == "late" else "guided_gradient"

@@ -24,7 +24,7 @@ many activations for the backward as full fine-tuning does (each adapter's `lora
 tensor a trained Linear keeps for its own gradient), so without it the adapters save only the optimizer states and
 gradients of the frozen weights. On a Linux CPU it also gives freed memory back to the system
 (`--release_freed_memory`), without which glibc keeps what each step frees and the process's peak stays near full
-fine-tuning's (scripts/benchmarks/README.md, `benchmark_lora_memory.py`).
+fine-tuning's (scripts/benchmarks/RESULTS.md, `benchmark_lora_memory.py`).
 
 A run's `--output_dir` holds the model it started from (`config.json`, `model.safetensors`, the processor and code)
 and the adapter beside it (`adapter_config.json`, `adapter_model.safetensors`): `from_pretrained` and `pipeline(...)`

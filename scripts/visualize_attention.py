@@ -14,7 +14,7 @@ averaged over heads and over its real tokens (or one token's with `--token`); a 
 is reported apart. A tower conditioned by cross-attention (`vision_text_attention`) shows, with `--method
 tower_attention --token N`, per stage the attention its cells give token N. `--method grad_cam`: Grad-CAM on the last
 tower map the model reads. The maps come from `MMFusionForImageTextClassification.image_maps`; how often each peaks on
-the object a question names: scripts/benchmarks/README.md, benchmark_pointing.py.
+the object a question names: scripts/benchmarks/RESULTS.md, benchmark_pointing.py.
 """
 
 import os

@@ -1,5 +1,6 @@
 """scripts/train.py and mm_fusion.training: tiny end-to-end runs, Trainer features, errors, monitor, metrics."""
 
+import datetime
 import json
 import logging
 import os
@@ -27,6 +28,7 @@ from mm_fusion.training import (
     setup_run,
     train_and_save,
 )
+from mm_fusion.training.model_card import cpu_name
 
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -72,6 +74,10 @@ def test_vqa_run_saves_a_loadable_model_with_its_card(tmp_path):
     images = len(set(load_easy_vqa(["train"])["train"].select(range(64))["image"]))
     assert f"The training set: 64 pairs of {images} distinct images." in card
     assert "| batching | random order (an image's pairs never in a row) |" in card  # the default image_group_size 1
+    # The machine by its CPU's model (two x86_64 CPUs train at different speeds) and the day it trained.
+    assert f"| hardware | CPU ({cpu_name()}, {os.cpu_count()} cores), 1 process(es) |" in card
+    trained = datetime.date.fromisoformat(re.search(r"\| trained \| (\S+) \|", card).group(1))
+    assert (datetime.date.today() - trained).days in (0, 1)  # the run may end just before midnight
     # The monitor's numbers went into Trainer's logs (and so to every report_to backend).
     state = json.loads((out / "trainer_state.json").read_text())
     logged = [h for h in state["log_history"] if "loss" in h]
@@ -140,8 +146,8 @@ def check_card_front_matter(card: str, pipeline_tag: str | None, *tags: str) -> 
 
 
 def test_a_streaming_runs_card_says_what_was_counted(tmp_path):
-    """A stream has no length: its card gave steps x batch size as "N pairs (N distinct images)". It now says that
-    training read N pairs from the stream and that distinct pairs and images were not counted."""
+    """A stream has no length: its card says that training read N pairs (steps x batch size) from the stream and
+    that distinct pairs and images were not counted, not "N pairs (N distinct images)"."""
     from helpers.shards import write_shards
 
     write_shards(str(tmp_path / "wds"), shards=2, rows=10)

@@ -189,7 +189,7 @@ class ModelArguments:
             "encodes each distinct text of a batch once. Default: frozen when it is a pretrained tower "
             "(--text_model_name_or_path) and --lora is off: with 1,000 Fashion-MNIST photos it took MiniLM's "
             "composition from 0.899 to 0.908 in the same time (one seed), each step 2.4x faster "
-            "(scripts/benchmarks/README.md, benchmark_composition.py); --freeze_text_model False trains it."
+            "(scripts/benchmarks/RESULTS.md, benchmark_composition.py); --freeze_text_model False trains it."
         },
     )
     lora: bool = field(

@@ -1,5 +1,6 @@
 """The model card of a training run: a Jinja template filled with the run's model, data, metrics and curves."""
 
+import datetime
 import json
 import os
 import platform
@@ -145,11 +146,25 @@ FUSION_DESCRIPTIONS = {
 }
 
 
+def cpu_name() -> str:
+    """The CPU's model as the kernel names it (/proc/cpuinfo's "model name"), else the platform's processor or
+    architecture: figures of two machines of one architecture differ, so a card names the model."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name" and value.strip():
+                    return value.strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def hardware() -> str:
     """The devices of this run, in words."""
     if torch.cuda.is_available():
         return f"{torch.cuda.device_count()} x {torch.cuda.get_device_name()}"
-    return f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
+    return f"CPU ({cpu_name()}, {os.cpu_count()} cores)"
 
 
 @dataclass
@@ -267,6 +282,7 @@ def model_card_context(
         "precision": precision,
         "batching": batching(training_args),
         "hardware": f"{hardware()}, {training_args.world_size} process(es)",
+        "date": datetime.date.today().isoformat(),
         "train_runtime": train.get("train_runtime", 0.0),
         "train_loss": train.get("train_loss"),
         "resumed_from_step": getattr(trainer, "resumed_from_step", None),

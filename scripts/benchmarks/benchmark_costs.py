@@ -9,8 +9,8 @@ How the training cost of mm_fusion grows with the work, in three tables, each fr
    memory growth of forward + backward at 64 / 128 / 512 text tokens.
 
 Every trial runs in a fresh process (training and attention trials forked from a server that did the imports once,
-preprocessing trials in new interpreters), `--rounds` interleaved rounds, medians with min-max. Method and results:
-scripts/benchmarks/README.md.
+preprocessing trials in new interpreters), `--rounds` interleaved rounds, medians with min-max. Method: README.md;
+results: RESULTS.md (both in scripts/benchmarks).
 
     python scripts/benchmarks/benchmark_costs.py   # the full run: 48 trials, about 8 minutes on 2 cores
     python scripts/benchmarks/benchmark_costs.py --rounds 1 --image_sizes 64 --text_lengths 16 --steps 3 \

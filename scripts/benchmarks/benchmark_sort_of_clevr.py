@@ -2,8 +2,8 @@
 
 Each run is `accelerate launch scripts/train.py scripts/configs/sort_of_clevr*.yaml [flags]` in a fresh process from
 the checkout's root, timed over its whole wall time and read back from its `all_results.json`; `pretrain` is followed
-by `zero_shot_sort_of_clevr.py`, and every invocation adds the question-only ceiling computed from the data. Method
-and results: scripts/benchmarks/README.md.
+by `zero_shot_sort_of_clevr.py`, and every invocation adds the question-only ceiling computed from the data. Method:
+scripts/benchmarks/README.md; results: scripts/benchmarks/RESULTS.md.
 
     python scripts/benchmarks/benchmark_sort_of_clevr.py --runs film   # the main recipe, ~32 min on 2 cores
     python scripts/benchmarks/benchmark_sort_of_clevr.py --runs film_seed_1   # another seed
@@ -61,21 +61,21 @@ RUNS = {
     "finetune_pretrained": ([SHORT], "VQA fine-tuning from the pretrain checkpoint"),
     "finetune_scratch": ([SHORT], "the same VQA fine-tuning from scratch"),
 }
-# Rows of other recipes, kept in the results for comparison and no longer runs here: the ViT tower with hierarchical
-# fusion (`vit_*`: commit 11a0c7d's sort_of_clevr.yaml), the hierarchical recipe with the fusion layer's self-attention
-# first (`hierarchical_self_first`) and with a tower that does not read the question (`previous_*`: commit 98a998f's
-# sort_of_clevr_hierarchical.yaml, the words reading the stem).
-PREVIOUS = (
+# Rows of other recipes, kept in the results for comparison; this script does not run them: the ViT tower with
+# hierarchical fusion (`vit_*`: commit 11a0c7d's sort_of_clevr.yaml), the hierarchical recipe with the fusion layer's
+# self-attention first (`hierarchical_self_first`) and with a tower that does not read the question (`blind_tower_*`:
+# commit 98a998f's sort_of_clevr_hierarchical.yaml, the words reading the stem).
+OTHER_RECIPES = (
     "vit_hierarchical",
     "vit_late",
     "vit_image_only",
     "vit_text_only",
     "hierarchical_self_first",
-    "previous_hierarchical",
-    "previous_hierarchical_seed_1",
-    "previous_cross_attention",
+    "blind_tower_hierarchical",
+    "blind_tower_hierarchical_seed_1",
+    "blind_tower_cross_attention",
 )
-ORDER = [*RUNS, *PREVIOUS, "question_only_ceiling"]
+ORDER = [*RUNS, *OTHER_RECIPES, "question_only_ceiling"]
 TYPES = ("relational", "non_relational")
 FAMILIES = ("shape", "horizontal", "vertical", "closest", "furthest", "count")
 TARGETS = {"non_relational": 0.98, "relational": 0.94}
@@ -262,7 +262,7 @@ def plot(rows: dict[str, dict], path: Path) -> None:
 
     # The main recipe's runs only: the fine-tuning runs have a shorter budget (the table has them).
     main_runs = ("film", "film_seed_1", "hierarchical", "hierarchical_seed_1", "cross_attention", "late")
-    main_runs += ("image_only", "text_only", *PREVIOUS, "question_only_ceiling")
+    main_runs += ("image_only", "text_only", *OTHER_RECIPES, "question_only_ceiling")
     vqa = [rows[n] for n in main_runs if n in rows and "eval_accuracy_relational" in rows[n]]
     curves = [rows[n] for n in ORDER if n in rows and rows[n].get("curve")]
     fig, axes = plt.subplots(1, 2 if curves else 1, figsize=(14 if curves else 8, 4.2), squeeze=False)

@@ -4,8 +4,8 @@ speed.
 Each run is the README's command, `accelerate launch scripts/train.py ... --seed S`, in a fresh process from the
 checkout's root, timed over its whole wall time and read back from its `all_results.json` and `trainer_state.json`.
 Every recipe runs once per seed (seeds interleaved: A B A B ...), and the table gives the mean with the worst and best
-seed: repeats of one seed on one CPU are nearly identical and would hide the spread a user sees. Method and results:
-scripts/benchmarks/README.md.
+seed: repeats of one seed on one CPU are nearly identical and would hide the spread a user sees. Method:
+scripts/benchmarks/README.md; results: scripts/benchmarks/RESULTS.md.
 
     python scripts/benchmarks/benchmark_training.py --runs default --seeds 0,1,2,3,4
     python scripts/benchmarks/benchmark_training.py --runs full --seeds 0,1,2

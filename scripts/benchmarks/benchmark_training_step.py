@@ -9,8 +9,8 @@ seed, optimizer settings (read from `mm_fusion.training`'s argument defaults) an
 accumulation), `run_clip` (transformers' contrastive example's `datasets` pipeline and the stock `Trainer`, training
 our model) and `mm_fusion` (`mm_fusion.training.setup_run` with its defaults). Each trial runs in a fresh process;
 contenders are interleaved and rotated per round; step time is split into data wait / forward / backward / optimizer
-/ other. Targets: mm_fusion >= 2x seed and >= 1.3x run_clip samples/s, data wait < 5% of step time. Method, targets
-and results: scripts/benchmarks/README.md.
+/ other. Targets: mm_fusion >= 2x seed and >= 1.3x run_clip samples/s, data wait < 5% of step time. Method and
+targets: scripts/benchmarks/README.md; results: scripts/benchmarks/RESULTS.md.
 
     python scripts/benchmarks/benchmark_training_step.py   # the full run: 18 trials, at most ~30 min on 2 cores
     python scripts/benchmarks/benchmark_training_step.py --rounds 1 --sizes 64 --steps 10 --loss_samples 640  # ~4 min

@@ -164,6 +164,11 @@ def retimed(data: dict) -> str:
     return f"{runs}; the map check at the end of training {check['seconds']} s ({check['questions']:,} questions)"
 
 
+def example_card(data: dict) -> str:
+    run = by_key(training_run(data, "full")["runs"], seed=0)
+    return f"test accuracy {f(run['test_accuracy'], 4)}, {f(run['train_seconds'] / 60, 1)} min of training"
+
+
 def recipe_ladder(data: dict) -> str:
     def worst(key: str) -> str:
         runs = data["runs"][key]["runs"]
@@ -725,6 +730,13 @@ SECTIONS: list[tuple[str, list[Row]]] = [
                 "benchmarks/results/benchmark_training.json",
                 lambda d: seeds_summary(training_run(d, "full")),
                 run_entries("full"),
+            ),
+            Row(
+                "the example model card, `model_cards/examples/easy_vqa_full` (the longer recipe, seed 0)",
+                "benchmarks/results/benchmark_training.json",
+                example_card,
+                run_entries("full"),
+                ["../model_cards/examples/easy_vqa_full/README.md"],
             ),
             Row(
                 "the default run with `feature_map_bridge=False`",

@@ -1,8 +1,8 @@
 """Zero-shot evaluation of a contrastively pretrained model on Sort-of-CLEVR's held-out images.
 
 For every test image and every object in it, the model must score the true caption above the same caption with that
-object's shape swapped, by the ITC similarity and by the ITM head (chance 0.5). Method and results:
-scripts/benchmarks/README.md.
+object's shape swapped, by the ITC similarity and by the ITM head (chance 0.5). Method:
+scripts/benchmarks/README.md; results: scripts/benchmarks/RESULTS.md.
 
     python scripts/benchmarks/zero_shot_sort_of_clevr.py --model outputs/sort_of_clevr_pretrain [--dataset_options ...]
 

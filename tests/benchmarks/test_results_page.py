@@ -53,3 +53,24 @@ def test_machines_are_written_as_cores_cpu_and_gpu():
     assert describe({"cores": 2, "cpu": "Intel(R) Xeon(R) Processor @ 2.50GHz", "gpu": None}) == "2-core Intel Xeon"
     assert describe({"cores": 16, "cpu": "AMD EPYC", "gpu": "NVIDIA H100"}) == "16-core AMD EPYC, NVIDIA H100"
     assert describe("2-core CPU, model not recorded") == "2-core CPU, model not recorded"
+
+
+def test_every_figure_of_the_readme_results_table_is_on_the_page():
+    """The README quotes headline figures only: each number of its Results table is a number of a row of the page,
+    and a date it names is that row's date, so every figure a user reads leads to its command, date and machine."""
+    readme = (results_page.SCRIPTS.parent / "README.md").read_text()
+    table = readme.split("\n## Results\n", 1)[1].split("\n## ", 1)[0]
+    page_rows = rows(results_page.PAGE.read_text())
+    number = re.compile(r"(?<![\w.])\d[\d,]*(?:\.\d+)?(?![\w,]*\d)")
+    quoted = rows(table)
+    assert len(quoted) >= 5
+
+    def numbers(text: str) -> list[str]:
+        return number.findall(re.sub(r"[-–/]", " ", text))
+
+    for what, figure in quoted:
+        for date in re.findall(r"\d{4}-\d{2}-\d{2}", figure):
+            assert any(date in r[3] for r in page_rows), f"README Results row {what!r}: no row of {date}"
+        # The figures, without the dates and machines (checked above, and the page's own columns).
+        for token in numbers(re.sub(r"\d{4}-\d{2}-\d{2}|\d+-core", "", figure)):
+            assert any(token in numbers(r[1]) for r in page_rows), f"README row {what!r}: {token} is not on the page"
