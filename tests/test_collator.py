@@ -153,6 +153,42 @@ def test_augmentation_runs_per_batch_on_uint8_and_never_touches_the_cache(prepar
     assert torch.equal(ImageTextCollator(data.images)(features)["pixel_values"], plain)  # stored pixels unchanged
 
 
+def test_photo_augmentation_flips_and_shifts_each_image_with_its_edges_repeated(prepared):
+    """`--augment photo`: one call on the batch's distinct images; each image is itself or its mirror image, moved by
+    at most an eighth of its side, what the move uncovers filled with the edge pixels next to it."""
+    from mm_fusion.training.data import image_transform
+
+    augment = image_transform("photo")
+    assert augment.batched and image_transform("none") is None
+    torch.manual_seed(0)
+    images = torch.randint(0, 256, (200, 3, 48, 40), dtype=torch.uint8)
+    out = augment(images)
+    assert out.dtype == torch.uint8 and out.shape == images.shape
+    flipped = 0
+    for image, moved in zip(images, out):
+        found = None
+        for mirror in (image, image.flip(-1)):
+            for dy in range(-5, 6):  # an eighth of the shorter side, 40 px
+                for dx in range(-5, 6):
+                    rows = (torch.arange(48) - dy).clamp(0, 47)
+                    cols = (torch.arange(40) - dx).clamp(0, 39)
+                    if torch.equal(mirror[:, rows][:, :, cols], moved):
+                        found = mirror is not image
+        assert found is not None, "not a flip and a shift of its image"
+        flipped += found
+    assert 70 < flipped < 130  # half the time
+    # Through the collator: the batch's distinct images, a new draw every batch, the cache untouched.
+    data = prepared["data"]
+    features = [data.pairs[i] for i in range(8)]
+    plain = ImageTextCollator(data.images)(features)["pixel_values"]
+    collator = ImageTextCollator(data.images, image_transform=augment)
+    draws = [collator(features)["pixel_values"] for _ in range(3)]
+    assert all(d.shape == plain.shape and d.dtype == torch.uint8 for d in draws)
+    assert not torch.equal(draws[0], draws[1]) and torch.equal(
+        ImageTextCollator(data.images)(features)["pixel_values"], plain
+    )
+
+
 def test_model_normalises_uint8_pixels_on_its_device(tester):
     model = MMFusionForImageTextClassification(tester.config(image_mean=[0.5, 0.4, 0.3], image_std=[0.2, 0.25, 0.3]))
     model.eval()

@@ -542,8 +542,8 @@ def test_predict_cli_answers_one_question_and_a_file_keeping_every_row(vqa_run, 
 
 
 def test_predict_and_attention_errors_are_one_line_before_any_model_is_loaded(vqa_run, pretrain_run, tmp_path):
-    """A missing model directory went to the hub (28 s of retries, a 66-line traceback); a repeated --question kept the
-    last silently; a missing image ended in a traceback. Each is now one `error:` line, exit status 2."""
+    """A missing model directory (not taken for a hub repo id: no retries), a repeated --question, a missing image, a
+    mistyped flag and a model of the wrong head are each one `error:` line, exit status 2, before a model loads."""
     out, _, _ = vqa_run
     (tmp_path / "outputs" / "easy_vqa").mkdir(parents=True)
     (tmp_path / "outputs" / "easy_vqa" / "config.json").write_text("{}")

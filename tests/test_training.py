@@ -416,7 +416,7 @@ def test_plain_accelerate_launch_trains_on_every_core(tmp_path):
 def test_shipped_training_config_parses_to_the_benchmarked_recipe():
     # An unknown key in a shipped config would fail here (HfArgumentParser rejects it), not after a user's install.
     model_args, data_args, training_args = parse([str(ROOT / "scripts/configs/easy_vqa_full.yaml")])
-    assert (model_args.fusion_type, model_args.dropout, data_args.augment) == ("hierarchical", 0.0, False)
+    assert (model_args.fusion_type, model_args.dropout, data_args.augment) == ("hierarchical", 0.0, "none")
     assert training_args.num_train_epochs == 6 and training_args.output_dir == "outputs/easy_vqa_full"
     assert model_args.vision_tower == "resnet"  # the default's tower, as benchmark_training.py measured the recipe
 
@@ -698,8 +698,7 @@ def test_every_training_option_has_a_help_line():
 
 def test_config_keys_and_flags_must_be_spelt_out(tmp_path, capsys):
     """argparse would take `learning_rat` as an abbreviation of `learning_rate`. A config key and a flag with that typo
-    are both one `error:` line that suggests the option, exit status 2 as for argparse's own errors (the flag used to
-    raise a ValueError with no suggestion)."""
+    are both one `error:` line that suggests the option, exit status 2 as for argparse's own errors."""
     config = tmp_path / "run.yaml"
     config.write_text("num_train_epochs: 1\nlearning_rat: 0.1\n")
     for argv, error in [
@@ -711,6 +710,15 @@ def test_config_keys_and_flags_must_be_spelt_out(tmp_path, capsys):
             parse(argv)
         lines = capsys.readouterr().err.splitlines()
         assert exited.value.code == 2 and len(lines) == 1 and ": error: " in lines[0] and error in lines[0], lines
+
+
+def test_augment_takes_a_kind_of_picture_and_changes_the_training_images_only(tmp_path):
+    assert parse([])[1].augment == "none"
+    with pytest.raises(ValueError, match="--augment must be one of none, photo, flips, got 'True'"):
+        parse(["--augment", "True"])
+    trainer = setup_run(tiny_args(tmp_path, "--augment", "photo"))
+    assert getattr(trainer.data_collator.image_transform, "batched", False)
+    assert trainer.eval_data_collator.image_transform is None
 
 
 def test_no_evaluation_data_is_an_error_before_any_preprocessing(tmp_path):

@@ -72,7 +72,8 @@ class ImageTextCollator:
         image_transform (`Callable`, *optional*):
             Random augmentation, called on each uint8 `(3, S, S)` image tensor of every batch, so it differs from
             epoch to epoch and never enters the cached preprocessing. Must return a uint8 tensor of the same shape,
-            e.g. a `torchvision.transforms.v2` transform.
+            e.g. a `torchvision.transforms.v2` transform. A transform with `batched = True` is called once on the
+            batch's `(N, 3, S, S)` images instead.
         check_alignment (`bool`, *optional*, defaults to `True`):
             Check that every image read for the batch is the one its pair was linked to at preprocessing (by its key)
             and raise [`AlignmentError`] otherwise. It costs one string comparison per sample.
@@ -190,7 +191,9 @@ class ImageTextCollator:
 
     def _augment(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """The random image transform, and the image ablation (black images)."""
-        if self.image_transform is not None:
+        if getattr(self.image_transform, "batched", False):
+            pixel_values = self.image_transform(pixel_values)
+        elif self.image_transform is not None:
             pixel_values = torch.stack([self.image_transform(image) for image in pixel_values])
         if self.blank == "image":
             pixel_values.zero_()

@@ -25,6 +25,7 @@ VISION_TOWERS = ("vit", "resnet", "convnext")
 # The evaluation metric each task is judged by (`metric_for_best_model` of early stopping, the printed result).
 MAIN_METRICS = {"vqa": "accuracy", "classify": "accuracy", "pretrain": "mean_recall"}
 ABLATIONS = ("none", "image_only", "text_only")
+AUGMENTATIONS = ("none", "photo", "flips")
 DEFAULT_LEARNING_RATE = 5e-4
 # The rate that won for LoRA on the composition (scripts/benchmarks/results/lora_composition.md).
 LORA_LEARNING_RATE = 1e-3
@@ -321,9 +322,14 @@ class DataArguments:
             "sizes), write output_dir/quarantine.jsonl and exit: 0 when it would train, 2 when it would refuse."
         },
     )
-    augment: bool = field(
-        default=False,
-        metadata={"help": "Random horizontal / vertical flips of the training images, drawn anew every batch."},
+    augment: str = field(
+        default="none",
+        metadata={
+            "help": "Random changes of the training images, drawn anew every batch: none; photo (photographs: a "
+            "horizontal flip half the time and a shift of up to an eighth of the side, the edge pixels repeated); "
+            "flips (pictures without an up or a left: horizontal and vertical flips). Not for questions about left "
+            "and right or top and bottom, whose answers a flip changes."
+        },
     )
     ablation: str = field(
         default="none",
@@ -366,6 +372,8 @@ class DataArguments:
     def __post_init__(self):
         if self.image_format not in ("auto", "uint8", "jpeg", "webp"):
             raise ValueError(f"--image_format must be auto, uint8, jpeg or webp, got {self.image_format!r}.")
+        if self.augment not in AUGMENTATIONS:
+            raise ValueError(f"--augment must be one of {', '.join(AUGMENTATIONS)}, got {self.augment!r}.")
         if self.ablation not in ABLATIONS:
             raise ValueError(f"--ablation must be one of {', '.join(ABLATIONS)}, got {self.ablation!r}.")
         if self.eval_split == "":

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 from datasets import ClassLabel, Dataset, DatasetDict, Json, Value
 
 from ..cli import parse_overrides
@@ -182,12 +183,41 @@ def build_collators(
     blank = {"none": None, "image_only": "text", "text_only": "image"}[data_args.ablation]
     kwargs = dict(pad_token_id=pad_token_id or 0, share_images=task != "pretrain", blank=blank)
     collator = ImageTextCollator(prepared.images, **kwargs)
-    if not data_args.augment:
+    transform = image_transform(data_args.augment)
+    if transform is None:
         return collator, collator
+    return ImageTextCollator(prepared.images, image_transform=transform, **kwargs), collator
+
+
+def image_transform(augment: str):
+    """The random transform of `--augment` for one uint8 `(3, S, S)` image, or None for `"none"`."""
+    if augment == "none":
+        return None
     from torchvision.transforms import v2
 
-    flips = v2.Compose([v2.RandomHorizontalFlip(), v2.RandomVerticalFlip()])
-    return ImageTextCollator(prepared.images, image_transform=flips, **kwargs), collator
+    if augment == "flips":
+        return v2.Compose([v2.RandomHorizontalFlip(), v2.RandomVerticalFlip()])
+    return PhotoAugment()
+
+
+class PhotoAugment:
+    """`--augment photo` on a batch of uint8 images `(N, 3, H, W)`: each flipped left to right half the time, then
+    shifted by up to an eighth of its shorter side in each direction, its edge pixels repeated into what the shift
+    uncovers (as CIFAR and Fashion-MNIST recipes pad and crop). One indexing op for the batch: a torchvision transform
+    per image cost 0.3 ms an image."""
+
+    batched = True
+
+    def __call__(self, images: torch.Tensor) -> torch.Tensor:
+        n, _, height, width = images.shape
+        pad = max(1, min(height, width) // 8)
+        shift = torch.randint(-pad, pad + 1, (2, n, 1))
+        rows = (torch.arange(height) - shift[0]).clamp(0, height - 1)  # (N, H): the source row of each row
+        cols = torch.arange(width).expand(n, width)
+        cols = torch.where(torch.rand(n, 1) < 0.5, cols.flip(-1), cols)  # a flip reads the columns backwards
+        cols = (cols - shift[1]).clamp(0, width - 1)
+        index = torch.arange(n)[:, None, None]
+        return images.permute(0, 2, 3, 1)[index, rows[:, :, None], cols[:, None, :]].permute(0, 3, 1, 2).contiguous()
 
 
 ARROW = DataPath(

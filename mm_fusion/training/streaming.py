@@ -24,7 +24,7 @@ from ..data import (
 )
 from ..data.streaming import StreamSource
 from .arguments import DataArguments, ModelArguments
-from .data import DataPath, TrainingData
+from .data import DataPath, TrainingData, image_transform
 
 
 TOKENIZER_TEXTS = 20_000  # a tokenizer trained for a streaming run learns from the first this many texts
@@ -125,12 +125,10 @@ def build_streaming_collators(pad_token_id: int | None, image_size: int, data_ar
     blank = {"none": None, "image_only": "text", "text_only": "image"}[data_args.ablation]
     kwargs = dict(image_size=image_size, image_format=data_args.image_format, pad_token_id=pad_token_id or 0)
     collator = StreamingCollator(blank=blank, **kwargs)
-    if not data_args.augment:
+    transform = image_transform(data_args.augment)
+    if transform is None:
         return collator, collator
-    from torchvision.transforms import v2
-
-    flips = v2.Compose([v2.RandomHorizontalFlip(), v2.RandomVerticalFlip()])
-    return StreamingCollator(blank=blank, image_transform=flips, **kwargs), collator
+    return StreamingCollator(blank=blank, image_transform=transform, **kwargs), collator
 
 
 STREAMING = DataPath(
