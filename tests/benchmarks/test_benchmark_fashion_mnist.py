@@ -80,3 +80,22 @@ def test_both_recipes_run_and_their_figures_match_a_count_by_hand(tmp_path, monk
     text = output.with_name("report.md").read_text()
     assert "**classify**" in text and "**pretrain**" in text and "FAIL" in text  # two steps reach no target
     assert output.with_name("report_zero_shot_confusion.png").stat().st_size > 1000
+
+
+def test_the_small_cnn_bar_trains_for_its_budget_and_counts_its_test_photos(tmp_path):
+    """The bar to beat: trained in a new interpreter for its seconds of training (at least one step of 64 photos
+    passes them), evaluated after each epoch on the test photos; its top-1 is a count of the test photos."""
+    root = write_fashion_mnist(tmp_path / "fashion-mnist", train=200, test=40)
+    output = tmp_path / "bar"
+    result = bench.main(
+        ["--recipes", "small_cnn", "--seeds", "0", "--root", str(root), "--small_cnn_budget_s", "1.5",
+         "--output", str(output)]
+    )  # fmt: skip
+    (run,) = result["runs"]
+    assert run["recipe"] == "small_cnn" and run["train_seconds"] >= 1.5 and run["epochs"] > 0
+    evaluations = run["evaluations"]
+    assert [e["epochs"] for e in evaluations] == sorted(e["epochs"] for e in evaluations)
+    assert all(e["accuracy"] * 40 == pytest.approx(round(e["accuracy"] * 40)) for e in evaluations)
+    assert run["accuracy"] == evaluations[-1]["accuracy"] and run["best_accuracy"] >= run["accuracy"]
+    assert json.loads(output.with_suffix(".json").read_text())["runs"][0]["epochs"] == run["epochs"]
+    assert "**small_cnn**" in output.with_suffix(".md").read_text()
