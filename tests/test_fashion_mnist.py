@@ -167,4 +167,5 @@ def test_shipped_recipes_parse(name):
     classify = name.endswith("classify")
     assert model_args.task == ("classify" if classify else "pretrain")
     assert data_args.image_size == (48 if classify else 32)
-    assert training_args.num_train_epochs == (2.5 if classify else 5)
+    assert training_args.num_train_epochs == (3.5 if classify else 5)
+    assert training_args.learning_rate == (1e-3 if classify else 5e-4)

@@ -7,12 +7,14 @@ result. It runs in a fresh process, so that its memory high-water mark, torch th
 once (seconds saved per trial), and falls back to a new interpreter where there is no `os.fork`.
 """
 
+import datetime
 import gc
 import importlib
 import json
 import os
 import platform
 import resource
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -315,10 +317,20 @@ def markdown_table(header: list[str], rows: list[list]) -> str:
     return "\n".join(lines)
 
 
+def invocation() -> str:
+    """The command that started this process, as run from the checkout's root: `python scripts/benchmarks/X.py ...`."""
+    script = Path(sys.argv[0]).resolve()
+    shown = script.relative_to(ROOT) if script.is_relative_to(ROOT) else script
+    return shlex.join(["python", str(shown), *sys.argv[1:]])
+
+
 def write_report(output: str | Path, report: dict | list, text: str | None = None) -> None:
-    """Write `report` to OUTPUT.json and, when given, `text` to OUTPUT.md (`output` without a suffix)."""
+    """Write `report` to OUTPUT.json and, when given, `text` to OUTPUT.md (`output` without a suffix). A dict report
+    gets the day and the command it was made by (`date`, `command`) where it does not say them itself."""
     output = Path(output)
     output.parent.mkdir(parents=True, exist_ok=True)
+    if isinstance(report, dict):
+        report = {"command": invocation(), "date": datetime.date.today().isoformat(), **report}
     with open(output.with_name(output.name + ".json"), "w") as f:
         json.dump(report, f, indent=2)
     if text is not None:

@@ -1,5 +1,6 @@
 """scripts/benchmarks/benchmarking.py: trials in new interpreters and forked children, summaries and reports."""
 
+import datetime
 import json
 import os
 import textwrap
@@ -77,7 +78,12 @@ def test_markdown_table_and_write_report(tmp_path):
     table = markdown_table(["a", "b"], [[1, "x"], [2.5, None]])
     assert table.splitlines() == ["| a | b |", "|---|---|", "| 1 | x |", "| 2.5 | None |"]
     write_report(tmp_path / "out" / "report", {"rows": [1, 2]}, table + "\n\n")
-    assert json.loads((tmp_path / "out" / "report.json").read_text()) == {"rows": [1, 2]}
+    saved = json.loads((tmp_path / "out" / "report.json").read_text())
+    # The day and the command it was made by, unless the report says them itself.
+    assert saved["rows"] == [1, 2] and saved["date"] == datetime.date.today().isoformat()
+    assert saved["command"].startswith("python ") and saved.keys() == {"rows", "date", "command"}
+    write_report(tmp_path / "own", {"date": "2026-01-02", "command": "mine"})
+    assert json.loads((tmp_path / "own.json").read_text()) == {"date": "2026-01-02", "command": "mine"}
     assert (tmp_path / "out" / "report.md").read_text() == table + "\n"
     write_report(tmp_path / "only_json", [1])
     assert (tmp_path / "only_json.json").exists() and not (tmp_path / "only_json.md").exists()
