@@ -6,7 +6,7 @@ pipelines serve it with the preprocessing the model was trained with:
 >>> from transformers import AutoProcessor, pipeline
 >>> from mm_fusion import MMFusionOnnxModel
 
->>> model = MMFusionOnnxModel.from_pretrained("outputs/easy_vqa_onnx")
+>>> model = MMFusionOnnxModel.from_pretrained("./outputs/easy_vqa_onnx")
 >>> vqa = pipeline("image-text-classification", model=model, processor=AutoProcessor.from_pretrained(model.path))
 >>> vqa(image="circle.png", question="What shape is this?")
 ```

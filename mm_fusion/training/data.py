@@ -190,7 +190,8 @@ def build_collators(
 
 
 def image_transform(augment: str):
-    """The random transform of `--augment` for one uint8 `(3, S, S)` image, or None for `"none"`."""
+    """The random transform of `--augment` for the collator (per uint8 `(3, S, S)` image, or `batched` on the
+    batch's images), or None for `"none"`."""
     if augment == "none":
         return None
     from torchvision.transforms import v2

@@ -514,15 +514,11 @@ def fashion_pretrain(data: dict) -> str:
 
 def fashion_ladder(data: dict) -> str:
     """The ladder's rungs, seed 0: each change's 10-product accuracy, and the small CNN's bar."""
-    parts = []
-    for row in data["rows"]:
-        if row["seed"] != 0:
-            continue
-        if row["change"].startswith("small_cnn"):
-            bar = f"a small CNN (the bar) {f(row['what'], 4)} after {f(row['epochs'], 1)} epochs in 10 min"
-            continue
-        parts.append(f"{row['change']}: {f(row['what'], 4)}")
-    return f"seed 0, the 10-product questions: {'; '.join(parts)}; {bar}"
+    rows = [row for row in data["rows"] if row["seed"] == 0]
+    (cnn,) = [row for row in rows if row["change"].startswith("small_cnn")]
+    rungs = "; ".join(f"{row['change']}: {f(row['what'], 4)}" for row in rows if row is not cnn)
+    bar = f"a small CNN (the bar) {f(cnn['what'], 4)} after {f(cnn['epochs'], 1)} epochs in 10 min"
+    return f"seed 0, the 10-product questions: {rungs}; {bar}"
 
 
 # Sort-of-CLEVR ----------------------------------------------------------------------------------------------------
