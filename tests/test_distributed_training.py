@@ -17,13 +17,26 @@ def launch(out_dir: Path, task: str, processes: int, batch_size: int) -> list[di
     return [torch.load(out_dir / f"rank{r}.pt") for r in range(processes)]
 
 
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    """`launched(task, processes, batch_size)`: the run's records, launched once per module for the tests that compare
+    against the same run."""
+    done = {}
+
+    def get(task: str, processes: int, batch_size: int) -> list[dict]:
+        key = (task, processes, batch_size)
+        if key not in done:
+            done[key] = launch(tmp_path_factory.mktemp(f"{task}-{processes}proc"), task, processes, batch_size)
+        return done[key]
+
+    return get
+
+
 @pytest.fixture(scope="module", params=["pretrain", "vqa"])
-def runs(request, tmp_path_factory):
+def runs(request, launched):
     """The same tiny run twice: 2 processes x batch 8, and 1 process x batch 16."""
     task = request.param
-    two = launch(tmp_path_factory.mktemp(f"{task}-2proc"), task, processes=2, batch_size=8)
-    one = launch(tmp_path_factory.mktemp(f"{task}-1proc"), task, processes=1, batch_size=16)
-    return task, two, one
+    return task, launched(task, processes=2, batch_size=8), launched(task, processes=1, batch_size=16)
 
 
 def test_two_ranks_train_like_one_process_with_twice_the_batch(runs):
@@ -58,10 +71,10 @@ def test_lora_on_two_ranks_trains_like_one_process_with_twice_the_batch(tmp_path
         assert torch.equal(two[1]["state_dict"][name], two[0]["state_dict"][name]), name
 
 
-def test_without_the_gather_two_ranks_train_differently(tmp_path):
+def test_without_the_gather_two_ranks_train_differently(tmp_path, launched):
     """The control: contrastive features not gathered across ranks, each rank contrasts 8 pairs instead of 16."""
     two = launch(tmp_path / "local", "pretrain-local", processes=2, batch_size=8)
-    one = launch(tmp_path / "one", "pretrain", processes=1, batch_size=16)
+    one = launched("pretrain", processes=1, batch_size=16)
     assert not torch.allclose(torch.tensor(two[0]["losses"]), torch.tensor(one[0]["losses"]), rtol=1e-3)
 
 
@@ -108,12 +121,12 @@ def launch_two_nodes(root: Path, task: str, per_node: int, batch_size: int) -> l
 
 
 @pytest.mark.scale
-def test_two_simulated_nodes_preprocess_once_each_and_train_like_one_node(tmp_path):
+def test_two_simulated_nodes_preprocess_once_each_and_train_like_one_node(tmp_path, launched):
     """Pretraining (its contrastive loss gathers every rank's features) on 2 nodes x 1 process against one node x 2
     processes, the same global batch 16: each node's cache is filled once, by its local main process; both ranks end
     with equal weights, equal to the one-node run's. The tokenizer is trained on rank 0 and sent to node 1, which has
     no access to node 0's output directory."""
-    two = launch(tmp_path / "one_node", "pretrain", processes=2, batch_size=8)
+    two = launched("pretrain", processes=2, batch_size=8)
     nodes, decodes = launch_two_nodes(tmp_path / "two_nodes", "pretrain", per_node=1, batch_size=8)
     # 32 training pairs + 13 evaluation pairs of easy-VQA: the distinct images among them, decoded once per node.
     assert len(decodes[0]) == len(decodes[1]) > 0

@@ -180,6 +180,10 @@ class MMFusionCommonTests(common.ModelTesterMixin):
     # tests (fp16 / bf16 on CPU), so it runs in one variant; tests/test_modeling.py::test_eager_attention_matches_sdpa
     # compares every output, the fusion layers' included, for every fusion type and direction.
     runs_tower_only_eager_test = False
+    # The mixin's check that `from_pretrained(torch_dtype=...)` loads as `dtype=...` does, for seven dtypes and every
+    # class (~10 s a variant on 2 cores): a loading argument, which the fusion type and direction do not touch. It runs
+    # once per vision tower kind, in the variants marked here.
+    runs_dtype_loading_test = False
 
     def setUp(self):
         eager_test = self._testMethodName.startswith("test_eager_matches_sdpa_inference")
@@ -188,6 +192,8 @@ class MMFusionCommonTests(common.ModelTesterMixin):
                 "compares tower outputs only, the same for every fusion type: run in MMFusionHierarchicalTest "
                 "(test_modeling.py::test_eager_attention_matches_sdpa covers the fusion layers)"
             )
+        if self._testMethodName == "test_bc_torch_dtype" and not self.runs_dtype_loading_test:
+            self.skipTest("a loading argument, the same for every fusion type: run once per vision tower kind")
         self.model_tester = MMFusionCommonTester(self, self.fusion_type, self.fusion_direction, self.vision_tower)
 
     def _prepare_for_class(self, inputs_dict, model_class, return_labels=False):
@@ -314,6 +320,7 @@ class MMFusionCommonTests(common.ModelTesterMixin):
 class MMFusionHierarchicalTest(MMFusionCommonTests, unittest.TestCase):
     fusion_type = "hierarchical"
     runs_tower_only_eager_test = True
+    runs_dtype_loading_test = True
 
 
 class MMFusionHierarchicalTextToImageTest(MMFusionCommonTests, unittest.TestCase):
@@ -339,6 +346,7 @@ class MMFusionResNetHierarchicalTest(MMFusionCommonTests, unittest.TestCase):
 
     fusion_type = "hierarchical"
     vision_tower = "resnet"
+    runs_dtype_loading_test = True
     has_attentions = False  # the mixin's attention checks of get_image_features: a convolutional tower has none
     # The mixin reads the vision width from `hidden_size`-like attributes, which ResNetConfig has not (its widths are
     # `hidden_sizes`); test_vision_towers.py checks get_image_features' shapes for backbone towers.
@@ -357,6 +365,7 @@ class MMFusionConvStemTest(MMFusionCommonTests, unittest.TestCase):
 
     fusion_type = "hierarchical"
     vision_tower = "conv_stem"
+    runs_dtype_loading_test = True
 
 
 class MMFusionResNetFiLMTest(MMFusionCommonTests, unittest.TestCase):
@@ -365,6 +374,7 @@ class MMFusionResNetFiLMTest(MMFusionCommonTests, unittest.TestCase):
 
     fusion_type = "hierarchical"
     vision_tower = "resnet_film"
+    runs_dtype_loading_test = True
     all_model_classes = (MMFusionModel, MMFusionForImageTextClassification)
     heads = (MMFusionForImageTextClassification,)
     has_attentions = False

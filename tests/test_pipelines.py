@@ -543,28 +543,41 @@ def test_predict_cli_answers_one_question_and_a_file_keeping_every_row(vqa_run, 
 
 def test_predict_and_attention_errors_are_one_line_before_any_model_is_loaded(vqa_run, pretrain_run, tmp_path):
     """A missing model directory (not taken for a hub repo id: no retries), a repeated --question, a missing image, a
-    mistyped flag and a model of the wrong head are each one `error:` line, exit status 2, before a model loads."""
+    mistyped flag and a model of the wrong head are each one `error:` line, exit status 2, and no model's weights are
+    loaded. The command lines run in one child interpreter (tests/helpers/run_scripts.py), each as `python SCRIPT`."""
     out, _, _ = vqa_run
     (tmp_path / "outputs" / "easy_vqa").mkdir(parents=True)
     (tmp_path / "outputs" / "easy_vqa" / "config.json").write_text("{}")
     image = _eval_rows(1)[0]["image"]
     ask = ["--image", image, "--question", "what shape is in the image?"]
-    for script in ("predict", "visualize_attention"):
-        done = _run_script(script, "--model", "outputs/easy_vqa2", *ask, status=2, cwd=tmp_path)
-        line = _one_line_error(done, f"{script}.py")
-        assert "no model directory at outputs/easy_vqa2" in line and "Did you mean outputs/easy_vqa?" in line
-    line = _one_line_error(
-        _run_script("predict", "--model", str(out), *ask, "--question", "why?", status=2), "predict.py"
-    )
-    assert "--question was given 2 times ('what shape is in the image?', 'why?')" in line and "--input" in line
     missing = tmp_path / "nope.png"
-    for script in ("predict", "visualize_attention"):
-        done = _run_script(script, "--model", str(out), "--image", str(missing), "--question", "what?", status=2)
-        assert f"--image {missing}: no file at {missing}" in _one_line_error(done, f"{script}.py")
-    line = _one_line_error(_run_script("predict", "--model", str(out), "--imag", image, status=2), "predict.py")
-    assert "unrecognized arguments: --imag" in line and "Did you mean --image?" in line
-    done = _run_script("visualize_attention", "--model", str(pretrain_run[0]), *ask, status=2)
-    assert "saved as MMFusionForPretraining" in _one_line_error(done, "visualize_attention.py")
+    runs = {  # (script, arguments, working directory) -> what its one line says
+        ("predict", ("--model", "outputs/easy_vqa2", *ask), tmp_path): (
+            "no model directory at outputs/easy_vqa2", "Did you mean outputs/easy_vqa?"),
+        ("visualize_attention", ("--model", "outputs/easy_vqa2", *ask), tmp_path): (
+            "no model directory at outputs/easy_vqa2", "Did you mean outputs/easy_vqa?"),
+        ("predict", ("--model", str(out), *ask, "--question", "why?"), None): (
+            "--question was given 2 times ('what shape is in the image?', 'why?')", "--input"),
+        ("predict", ("--model", str(out), "--image", str(missing), "--question", "what?"), None): (
+            f"--image {missing}: no file at {missing}",),
+        ("visualize_attention", ("--model", str(out), "--image", str(missing), "--question", "what?"), None): (
+            f"--image {missing}: no file at {missing}",),
+        ("predict", ("--model", str(out), "--imag", image), None): (
+            "unrecognized arguments: --imag", "Did you mean --image?"),
+        ("visualize_attention", ("--model", str(pretrain_run[0]), *ask), None): ("saved as MMFusionForPretraining",),
+    }  # fmt: skip
+    listed = [
+        {"argv": [str(ROOT / "scripts" / f"{script}.py"), *args], "cwd": cwd and str(cwd), "no_model": True}
+        for script, args, cwd in runs
+    ]
+    (tmp_path / "runs.json").write_text(json.dumps(listed))
+    done = subprocess.run([sys.executable, "-m", "helpers.run_scripts", str(tmp_path / "runs.json")],
+                          capture_output=True, text=True, cwd=ROOT / "tests", timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    for (script, _, _), expected, result in zip(runs, runs.values(), json.loads(done.stdout.splitlines()[-1])):
+        assert result["code"] == 2, result["stderr"]
+        line = _one_line_error(subprocess.CompletedProcess([], 2, result["stdout"], result["stderr"]), f"{script}.py")
+        assert all(part in line for part in expected), line
 
 
 def test_predict_names_the_words_the_tokenizer_never_saw(vqa_run, tmp_path):

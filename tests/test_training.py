@@ -662,15 +662,16 @@ SCRIPTS = sorted(
 
 @pytest.fixture(scope="module")
 def script_help() -> dict:
-    """Every script's `--help`, run in one child process (tests/helpers/script_help.py): one interpreter start and
+    """Every script's `--help`, run in one child process (tests/helpers/run_scripts.py): one interpreter start and
     one import of torch and transformers for all of them, where a process each took ~7 s apiece on 2 cores."""
     import subprocess
     import sys
 
-    done = subprocess.run([sys.executable, "-m", "helpers.script_help", *(str(ROOT / "scripts" / s) for s in SCRIPTS)],
+    paths = [str(ROOT / "scripts" / s) for s in SCRIPTS]
+    done = subprocess.run([sys.executable, "-m", "helpers.run_scripts", "--help", *paths],
                           capture_output=True, text=True, timeout=600, cwd=ROOT / "tests")  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.splitlines()[-1])
+    return dict(zip(paths, json.loads(done.stdout.splitlines()[-1])))
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
