@@ -56,7 +56,7 @@ def release_freed_memory(threshold: int = RELEASE_THRESHOLD) -> bool:
     Have glibc's malloc serve every block over `threshold` bytes as a mapping of its own, unmapped when freed, as
     `MALLOC_MMAP_THRESHOLD_=threshold` does from a process's start. As it comes, glibc raises that threshold as blocks
     are freed (up to 32 MiB) and keeps what a training step frees in its heaps, so a CPU process's RSS grows to more
-    than the tensors alive: with LoRA's activation checkpointing, 4,084 against 2,553 MiB at ViT-B/16 + BERT-base
+    than the tensors alive: with LoRA's activation checkpointing, 4,129 against 2,552 MiB at ViT-B/16 + BERT-base
     size (scripts/benchmarks/results/lora_memory.md). Accelerators are not affected (their tensors are not malloc's).
     Returns whether it was set: False, with a warning, where the C library is not glibc (macOS, Windows, musl).
     """

@@ -81,9 +81,10 @@ def run_trial(payload: dict) -> dict:
     argv += [str(payload["eval_every"]), "--max_eval_samples", str(payload["eval_questions"])]
     argv += ["--save_strategy", "no", "--report_to", "none", "--disable_tqdm", "True"]
     argv += ["--cpu_threads", str(payload["threads"])]
-    # The rate, batches and fusion layers its results were measured with (3e-4, 2 questions of an image in a row, two
-    # fusion layers); --lora_args may override.
-    argv += ["--learning_rate", "3e-4", "--image_group_size", "2", "--fusion_layers", "2"]
+    # Each recipe at the learning rate scripts/train.py gives it (5e-4; 1e-3 with --lora), with the batches and fusion
+    # layers its results were measured with (2 questions of an image in a row, two fusion layers); --lora_args may
+    # override.
+    argv += ["--image_group_size", "2", "--fusion_layers", "2"]
     if payload["recipe"] == "lora":
         argv += shlex.split(payload["lora_args"])
     else:  # full fine-tuning trains the text tower too (a pretrained one is frozen by default)
@@ -103,6 +104,7 @@ def run_trial(payload: dict) -> dict:
         "recipe": payload["recipe"],
         "command": "scripts/train.py " + " ".join(argv[2:]),
         "torch_threads": torch.get_num_threads(),
+        "learning_rate": trainer.args.learning_rate,
         "parameters": sum(p.numel() for p in model.parameters()),
         "trainable_parameters": sum(p.numel() for p in model.parameters() if p.requires_grad),
         "saved_file": saved.name,
@@ -179,13 +181,13 @@ def markdown(trials: list[dict], args, info: dict, runs_at_once: int) -> str:
         hits = [first_time(t["curve"], a) for a in thresholds]
         last = t["curve"][-1]
         rows.append(
-            [t["recipe"], f"{t['trainable_parameters']:,} of {t['parameters']:,}",
+            [t["recipe"], f"{t['learning_rate']:g}", f"{t['trainable_parameters']:,} of {t['parameters']:,}",
              *(f"{h['train_s']:.0f} s ({h['step']})" if h else "–" for h in hits),
              f"{t['best_accuracy']:.3f} ({last['step']} steps, {t['train_s']:.0f} s)",
              f"{t['peak_memory_growth_mib']:.0f} MiB ({t['peak_memory_mib']:.0f})",
              f"{t['saved_file']}: {t['saved_mib']:.2f} MiB"]
         )  # fmt: skip
-    header = ["recipe", "trainable parameters", *(f"to {a}" for a in thresholds), "best (trained)",
+    header = ["recipe", "learning rate", "trainable parameters", *(f"to {a}" for a in thresholds), "best (trained)",
               "peak memory growth (process peak)", "saved beyond the starting model"]  # fmt: skip
     at_once = "at once, one thread each" if runs_at_once > 1 else "one after the other"
     return (

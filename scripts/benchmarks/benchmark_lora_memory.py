@@ -27,6 +27,7 @@ Writes scripts/benchmarks/results/lora_memory.{json,md} and prints the Markdown 
 import collections
 import os
 import shutil
+import statistics
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
@@ -43,7 +44,7 @@ from benchmarking import (
     run_in_new_interpreter,
     write_report,
 )
-from transformers import HfArgumentParser
+from transformers import HfArgumentParser, TrainerCallback
 
 
 RECIPES = ("full", "lora", "full+ckpt", "lora+ckpt")
@@ -126,6 +127,19 @@ def saved_for_backward(model, batch: dict) -> tuple[float, dict[str, float]]:
     return sum(kinds.values()), dict(kinds.most_common())
 
 
+class StepTimes(TrainerCallback):
+    """Each optimizer step's seconds, from its start to its end (the optimizer's update included)."""
+
+    def __init__(self):
+        self.seconds, self.began = [], None
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.began = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.seconds.append(time.perf_counter() - self.began)
+
+
 def run_trial(payload: dict) -> dict:
     """One recipe, in this fresh process."""
     from mm_fusion.training import setup_run
@@ -151,14 +165,14 @@ def run_trial(payload: dict) -> dict:
         if recipe.endswith("+ckpt"):
             argv += ["--activation_checkpointing", "True"]
     trainer = setup_run(argv)
+    steps = StepTimes()
+    trainer.add_callback(steps)
     model = trainer.model
     built_mib = proc_status_kib("VmRSS") / 2**10
-    began = time.perf_counter()
     with PeakMemory() as memory:
         trainer.train()
         growth = memory.growth_mib()
     peak = peak_memory_mib()
-    seconds = time.perf_counter() - began
     named = list(model.named_parameters())
     trainable = sum(p.numel() for _, p in named if p.requires_grad)
     copies = sum(p.numel() for n, p in named if ".original_module." in n)
@@ -176,7 +190,9 @@ def run_trial(payload: dict) -> dict:
         "built_mib": round(built_mib, 1),
         "peak_memory_mib": round(peak, 1),
         "peak_growth_mib": round(growth, 1),
-        "seconds_per_step": round(seconds / payload["steps"], 2),
+        # the median step after the first (which also allocates AdamW's states)
+        "seconds_per_step": round(statistics.median(steps.seconds[1:] or steps.seconds), 2),
+        "step_seconds": [round(t, 2) for t in steps.seconds],
         # fp32: the weights; the gradients and AdamW's two states of what trains
         "weights_mib": round(4 * sum(p.numel() for _, p in named) / 2**20, 1),
         "gradients_and_optimizer_mib": round(3 * 4 * trainable / 2**20, 1),

@@ -6,6 +6,8 @@ import json
 import pytest
 from transformers import MobileNetV2Model
 
+from mm_fusion.training.arguments import DEFAULT_LEARNING_RATE, LORA_LEARNING_RATE
+
 
 pytest.importorskip("peft")
 
@@ -25,6 +27,8 @@ def test_tiny_run_compares_lora_with_full_fine_tuning(tmp_path, tester):
     trials = {t["recipe"]: t for t in report["trials"]}
     assert set(trials) == {"full", "lora"} and report["runs_at_once"] == 2
     full, lora = trials["full"], trials["lora"]
+    # each at the rate scripts/train.py gives it
+    assert (full["learning_rate"], lora["learning_rate"]) == (DEFAULT_LEARNING_RATE, LORA_LEARNING_RATE)
     assert full["trainable_parameters"] == full["parameters"]
     # the adapters, the head and the fusion block (as wide as MiniLM: 384), against the whole model
     assert 0 < lora["trainable_parameters"] < full["trainable_parameters"] / 3
