@@ -164,6 +164,16 @@ def retimed(data: dict) -> str:
     return f"{runs}; the map check at the end of training {check['seconds']} s ({check['questions']:,} questions)"
 
 
+def fresh_clone(name: str) -> Callable[[dict], str]:
+    def runs(data: dict) -> str:
+        entry = by_key(data["figures"], name=name)
+        return "; ".join(
+            f"seed {r['seed']}: {f(r['test_accuracy'], 4)} in {r['wall_seconds']} s" for r in entry["runs"]
+        )
+
+    return runs
+
+
 def example_card(data: dict) -> str:
     run = by_key(training_run(data, "full")["runs"], seed=0)
     return f"test accuracy {f(run['test_accuracy'], 4)}, {f(run['train_seconds'] / 60, 1)} min of training"
@@ -775,6 +785,12 @@ SECTIONS: list[tuple[str, list[Row]]] = [
                 "benchmarks/results/recorded.json",
                 retimed,
                 recorded("default_run_map_check"),
+            ),
+            Row(
+                "the default run from a fresh clone, on an AMD EPYC",
+                "benchmarks/results/recorded.json",
+                fresh_clone("default_run_fresh_clone_amd_epyc"),
+                recorded("default_run_fresh_clone_amd_epyc"),
             ),
             Row(
                 "batches by image: questions of one image in a row (the recipe ladder)",
