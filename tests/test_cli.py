@@ -6,7 +6,6 @@ import dataclasses
 import http.server
 import importlib
 import inspect
-import json
 import os
 import socket
 import subprocess
@@ -18,6 +17,7 @@ from unittest import mock
 
 import huggingface_hub
 import pytest
+from helpers.run_scripts import run_in_one_child
 
 from mm_fusion import check_model_path
 from mm_fusion.cli import ScriptArgumentParser
@@ -180,9 +180,8 @@ def test_a_model_neither_local_nor_reachable_on_the_hub_is_one_line_at_once(tmp_
     soon as the command has imported its libraries (about 0.1 s after them; the bound is loose for a busy machine):
     no retries against the hub, no traceback. The command lines run in one child interpreter
     (tests/helpers/run_scripts.py), each as `python SCRIPT` (`python -m MODULE`) runs it."""
-    runs = [{"argv": [str(ROOT / a) if a.startswith("scripts/") else a for a in argv], "cwd": str(tmp_path)}
+    runs = [{"argv": [str(ROOT / a) if a.startswith("scripts/") else a for a in argv], "cwd": tmp_path}
             for argv, _ in ENTRY_POINTS.values()]  # fmt: skip
-    (tmp_path / "runs.json").write_text(json.dumps(runs))
     (tmp_path / "shape.png").write_bytes(b"")
     offline = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
     env = {key: value for key, value in os.environ.items() if key not in offline}
@@ -192,16 +191,13 @@ def test_a_model_neither_local_nor_reachable_on_the_hub_is_one_line_at_once(tmp_
             HF_HUB_CACHE=str(tmp_path / "hub-cache"),
             PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
         )
-        done = subprocess.run([sys.executable, "-m", "helpers.run_scripts", str(tmp_path / "runs.json")],
-                              cwd=ROOT / "tests", env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    results = json.loads(done.stdout.splitlines()[-1])
+        results = run_in_one_child(runs, tmp_path, env=env, timeout=300)
     for (entry_point, (_, status)), result in zip(ENTRY_POINTS.items(), results):
-        lines = result["stderr"].strip().splitlines()
-        assert result["code"] == status and len(lines) == 1, (entry_point, result["stderr"][-3000:])
-        assert "Traceback" not in result["stderr"], (entry_point, result["stderr"][-3000:])
+        lines = result.stderr.strip().splitlines()
+        assert result.returncode == status and len(lines) == 1, (entry_point, result.stderr[-3000:])
+        assert "Traceback" not in result.stderr, (entry_point, result.stderr[-3000:])
         assert f"There is no model directory at {MISSING} (" in lines[0] and "cannot be reached" in lines[0], lines
-        assert result["seconds"] < 20, (entry_point, f"{result['seconds']:.1f} s")
+        assert result.seconds < 20, (entry_point, f"{result.seconds:.1f} s")
 
 
 CONSOLE_SCRIPTS = {

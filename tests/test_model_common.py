@@ -183,8 +183,9 @@ class MMFusionCommonTests(common.ModelTesterMixin):
     # compares every output, the fusion layers' included, for every fusion type and direction.
     runs_tower_only_eager_test = False
     # The mixin's check that `from_pretrained(torch_dtype=...)` loads as `dtype=...` does, for seven dtypes and every
-    # class (~10 s a variant on 2 cores): a loading argument, which the fusion type and direction do not touch. It runs
-    # once per vision tower kind, in the variants marked here.
+    # class (~10-15 s a variant on 2 cores): a loading argument, which neither the fusion type and direction nor the
+    # tower's modules touch (the model keeps no module in another dtype). It runs for a ViT tower and for a ResNet,
+    # whose BatchNorm buffers load beside the weights, in the variants marked here.
     runs_dtype_loading_test = False
 
     def setUp(self):
@@ -195,7 +196,7 @@ class MMFusionCommonTests(common.ModelTesterMixin):
                 "(test_modeling.py::test_eager_attention_matches_sdpa covers the fusion layers)"
             )
         if self._testMethodName == "test_bc_torch_dtype" and not self.runs_dtype_loading_test:
-            self.skipTest("a loading argument, the same for every fusion type: run once per vision tower kind")
+            self.skipTest("a loading argument, the same for every fusion type and tower: run for a ViT and a ResNet")
         self.model_tester = MMFusionCommonTester(self, self.fusion_type, self.fusion_direction, self.vision_tower)
 
     def _prepare_for_class(self, inputs_dict, model_class, return_labels=False):
@@ -362,7 +363,6 @@ class MMFusionConvStemTest(MMFusionCommonTests, unittest.TestCase):
 
     fusion_type = "hierarchical"
     vision_tower = "conv_stem"
-    runs_dtype_loading_test = True
 
 
 class MMFusionResNetFiLMTest(MMFusionCommonTests, unittest.TestCase):
@@ -371,7 +371,6 @@ class MMFusionResNetFiLMTest(MMFusionCommonTests, unittest.TestCase):
 
     fusion_type = "hierarchical"
     vision_tower = "resnet_film"
-    runs_dtype_loading_test = True
     all_model_classes = (MMFusionModel, MMFusionForImageTextClassification)
     heads = (MMFusionForImageTextClassification,)
     has_attentions = False

@@ -12,6 +12,7 @@ import pytest
 import torch
 from datasets import Dataset
 from helpers.remote_code import BLOCK_MM_FUSION
+from helpers.run_scripts import run_in_one_child
 from helpers.training import TINY as TINY_RUN
 from PIL import Image
 from transformers import AutoImageProcessor, AutoModelForPreTraining, AutoProcessor, pipeline
@@ -491,12 +492,13 @@ def test_shipped_recall_metric_matches_ranks():
 # -- tools: predict, attention maps, push_to_hub -------------------------------------------------------------------
 
 
-def _run_script(name: str, *args: str, status: int = 0, cwd=None) -> subprocess.CompletedProcess:
-    """`python scripts/<name>.py args`, as a user runs it; it must end with exit status `status`."""
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / f"{name}.py"), *args], capture_output=True, text=True, cwd=cwd
-    )
-    assert done.returncode == status, done.stderr[-3000:]
+def _run_scripts(work: Path, *runs: tuple) -> list[subprocess.CompletedProcess]:
+    """Each run `(name, args, status)`: `python scripts/<name>.py args` as a user runs it, all in one child interpreter
+    (tests/helpers/run_scripts.py: one start and one import of torch for all); each must end with its status."""
+    argvs = [{"argv": [str(ROOT / "scripts" / f"{name}.py"), *args]} for name, args, _ in runs]
+    done = run_in_one_child(argvs, work)
+    for (name, _, status), result in zip(runs, done):
+        assert result.returncode == status, (name, result.stderr[-3000:])
     return done
 
 
@@ -514,9 +516,6 @@ def test_predict_cli_answers_one_question_and_a_file_keeping_every_row(vqa_run, 
     expected = pipeline("image-text-classification", model=str(out))(
         image=[r["image"] for r in rows[:3]], question=[r["question"] for r in rows[:3]], top_k=2
     )
-    done = _run_script("predict", "--model", str(out), "--image", rows[0]["image"], "--question", rows[0]["question"])
-    assert done.stdout.startswith(expected[0][0]["answer"] + "\t")
-
     (tmp_path / "notes.png").write_text("text")
     lines = [json.dumps({"image": r["image"], "question": r["question"], "id": r["id"]}) for r in rows[:3]]
     lines.insert(1, json.dumps({"image": "missing.png", "question": "what shape?"}))
@@ -524,9 +523,14 @@ def test_predict_cli_answers_one_question_and_a_file_keeping_every_row(vqa_run, 
     lines.insert(4, json.dumps({"image": rows[0]["image"]}))
     lines.insert(5, "{not json")
     (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
-    # Rows that cannot be answered make the exit status 3; every row is still written.
-    done = _run_script("predict", "--model", str(out), "--input", str(tmp_path / "in.jsonl"), "--output",
-                       str(tmp_path / "out.jsonl"), "--top_k", "2", "--batch_size", "3", status=3)  # fmt: skip
+    one, done = _run_scripts(
+        tmp_path,
+        ("predict", ["--model", str(out), "--image", rows[0]["image"], "--question", rows[0]["question"]], 0),
+        # Rows that cannot be answered make the exit status 3; every row is still written.
+        ("predict", ["--model", str(out), "--input", str(tmp_path / "in.jsonl"), "--output",
+                     str(tmp_path / "out.jsonl"), "--top_k", "2", "--batch_size", "3"], 3),
+    )  # fmt: skip
+    assert one.stdout.startswith(expected[0][0]["answer"] + "\t")
     assert "3 of 7 rows answered, 4 could not be" in done.stderr
     written = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
     assert [r["row"] for r in written] == list(range(7))
@@ -567,28 +571,27 @@ def test_predict_and_attention_errors_are_one_line_before_any_model_is_loaded(vq
         ("visualize_attention", ("--model", str(pretrain_run[0]), *ask), None): ("saved as MMFusionForPretraining",),
     }  # fmt: skip
     listed = [
-        {"argv": [str(ROOT / "scripts" / f"{script}.py"), *args], "cwd": cwd and str(cwd), "no_model": True}
+        {"argv": [str(ROOT / "scripts" / f"{script}.py"), *args], "cwd": cwd, "no_model": True}
         for script, args, cwd in runs
     ]
-    (tmp_path / "runs.json").write_text(json.dumps(listed))
-    done = subprocess.run([sys.executable, "-m", "helpers.run_scripts", str(tmp_path / "runs.json")],
-                          capture_output=True, text=True, cwd=ROOT / "tests", timeout=600)  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    for (script, _, _), expected, result in zip(runs, runs.values(), json.loads(done.stdout.splitlines()[-1])):
-        assert result["code"] == 2, result["stderr"]
-        line = _one_line_error(subprocess.CompletedProcess([], 2, result["stdout"], result["stderr"]), f"{script}.py")
+    for (script, _, _), expected, result in zip(runs, runs.values(), run_in_one_child(listed, tmp_path)):
+        assert result.returncode == 2, result.stderr
+        line = _one_line_error(result, f"{script}.py")
         assert all(part in line for part in expected), line
 
 
 def test_predict_names_the_words_the_tokenizer_never_saw(vqa_run, tmp_path):
     out, _, _ = vqa_run
     image = _eval_rows(1)[0]["image"]
-    done = _run_script("predict", "--model", str(out), "--image", image, "--question", "what shape is the hexagon?")
-    assert "predict.py: warning: the model's tokenizer never saw 'hexagon'" in done.stderr
-    assert "Traceback" not in done.stderr and done.stdout.count("\t") == 1
     rows = [{"image": image, "question": q} for q in ("asdf qwerty", "what shape is in the image?")]
     (tmp_path / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    done = _run_script("predict", "--model", str(out), "--input", str(tmp_path / "in.jsonl"))
+    one, done = _run_scripts(
+        tmp_path,
+        ("predict", ["--model", str(out), "--image", image, "--question", "what shape is the hexagon?"], 0),
+        ("predict", ["--model", str(out), "--input", str(tmp_path / "in.jsonl")], 0),
+    )
+    assert "predict.py: warning: the model's tokenizer never saw 'hexagon'" in one.stderr
+    assert "Traceback" not in one.stderr and one.stdout.count("\t") == 1
     written = [json.loads(line) for line in done.stdout.splitlines()]
     assert [r.get("unknown_words") for r in written] == [["asdf", "qwerty"], None]
     assert all(set(answer) == {"answer", "score"} for r in written for answer in r["answers"])
@@ -598,10 +601,17 @@ def test_predict_names_the_words_the_tokenizer_never_saw(vqa_run, tmp_path):
 def test_visualize_attention_draws_the_default_map_or_the_attention(vqa_run, tmp_path):
     out, _, _ = vqa_run
     row = _eval_rows(1)[0]
-    png = tmp_path / "map.png"
-    done = _run_script("visualize_attention", "--model", str(out), "--image", row["image"], "--question",
-                       row["question"], "--output", str(png))  # fmt: skip
-    assert Image.open(png).size[0] > 300
+    ask = ["--model", str(out), "--image", row["image"], "--question", row["question"]]
+    # the default map; --method attention: per fusion layer, the question's attention over the 2 x 2 patches (32 px /
+    # patch 16) and the class token; --token without --method attention: an error
+    done, attention, token = _run_scripts(
+        tmp_path,
+        ("visualize_attention", [*ask, "--output", str(tmp_path / "map.png")], 0),
+        ("visualize_attention", [*ask, "--output", str(tmp_path / "attention.png"), "--method", "attention",
+                                 "--token", "1"], 0),
+        ("visualize_attention", [*ask, "--token", "1"], 2),
+    )  # fmt: skip
+    assert Image.open(tmp_path / "map.png").size[0] > 300 and Image.open(tmp_path / "attention.png").size[0] > 300
     model = mm_fusion.MMFusionForImageTextClassification.from_pretrained(out, attn_implementation="eager").eval()
     batch = AutoProcessor.from_pretrained(out)(images=[row["image"]], text=[row["question"]])
     with torch.no_grad():
@@ -609,19 +619,13 @@ def test_visualize_attention_draws_the_default_map_or_the_attention(vqa_run, tmp
     answer = model.config.id2label[int(outputs.logits.argmax())]
     kind = "input x gradient weighted by the model's coarse map"  # the default map's method, named
     assert done.stderr.splitlines()[-1].startswith(f"{answer} (") and kind in done.stderr.splitlines()[-1]
-    # --method attention: per fusion layer, the question's attention over the 2 x 2 patches (32 px / patch 16) and
-    # the class token, which sums to one.
-    done = _run_script("visualize_attention", "--model", str(out), "--image", row["image"], "--question",
-                       row["question"], "--output", str(png), "--method", "attention", "--token", "1")  # fmt: skip
-    assert done.stderr.splitlines()[-1].startswith(f"{answer} (") and "cross-attention" in done.stderr
+    assert attention.stderr.splitlines()[-1].startswith(f"{answer} (") and "cross-attention" in attention.stderr
     layers = outputs.text_to_image_attentions
     assert len(layers) == model.config.num_fusion_layers == 1 and layers[0].shape[-1] == 2 * 2 + 1
-    for probabilities in layers:
+    for probabilities in layers:  # which sums to one
         assert torch.allclose(probabilities.sum(-1), torch.ones(()), atol=1e-5)
-    done = _run_script("visualize_attention", "--model", str(out), "--image", row["image"], "--question",
-                       row["question"], "--token", "1", status=2)  # fmt: skip
     assert "--token picks one token's attention; the default map has no tokens" in _one_line_error(
-        done, "visualize_attention.py"
+        token, "visualize_attention.py"
     )
 
 

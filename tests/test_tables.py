@@ -212,12 +212,43 @@ def test_data_that_is_mostly_garbage_is_refused_with_its_likely_cause(world, tmp
 # -- scripts/train.py, as a user runs it -----------------------------------------------------------------------------
 
 
-def _train(tmp_path, *args: str) -> subprocess.CompletedProcess:
+def _train_args(work: Path, *args: str) -> dict:
+    """`python scripts/train.py` on the tiny model with `args`, run in `work` (its output in `work`/out)."""
     flags = [*TINY, "--task", "classify", "--image_column", "image", "--text_column", "text", "--label_column",
-             "label", "--output_dir", str(tmp_path / "out"), "--num_train_epochs", "1"]  # fmt: skip
+             "label", "--output_dir", str(work / "out"), "--num_train_epochs", "1"]  # fmt: skip
+    return {"argv": [str(ROOT / "scripts" / "train.py"), *flags, *args], "cwd": work}
+
+
+@pytest.fixture(scope="module")
+def script_runs(world, tmp_path_factory) -> dict:
+    """The command lines of the tests below that end before training, each as a user runs it, in one child interpreter
+    (tests/helpers/run_scripts.py: one start and one import of torch for the four): name -> (its working directory,
+    its outcome)."""
+    from helpers.run_scripts import run_in_one_child
+
+    rows, root = world["rows"], str(world["root"])
+    runs = {}
+
+    work = tmp_path_factory.mktemp("broken")
+    path = excel_csv(work / "pairs.csv", rows)
+    path.write_bytes(path.read_bytes().replace(b'"photo 5, a bird"', b"photo 5, a bird"))  # a quote lost
+    runs["broken"] = _train_args(work, "--dataset", str(path), "--data_root", root, "--eval_strategy", "no")
+
+    work = tmp_path_factory.mktemp("labels")
+    train = excel_csv(work / "train.csv", rows)
+    evaluation = jsonl(work / "eval.jsonl", [*rows[:4], {**rows[4], "label": "fish"}, {**rows[5], "label": "fish"}])
+    runs["labels"] = _train_args(work, "--dataset", str(train), "--eval_dataset", str(evaluation), "--data_root", root)
+
+    for name, wrong_root in (("wrong_root", True), ("check_data", False)):
+        work = tmp_path_factory.mktemp(name)
+        path = jsonl(work / "pairs.jsonl", rows)
+        data_root = str(work / "imgs") if wrong_root else root
+        runs[name] = _train_args(work, "--dataset", str(path), "--data_root", data_root,
+                                 "--validation_split_percentage", "25", "--check_data")  # fmt: skip
+
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, str(ROOT / "scripts" / "train.py"), *flags, *args], capture_output=True,
-                          text=True, env=env, cwd=tmp_path, timeout=600)  # fmt: skip
+    done = run_in_one_child(list(runs.values()), tmp_path_factory.mktemp("runs"), env=env)
+    return {name: (Path(r["cwd"]), result) for (name, r), result in zip(runs.items(), done)}
 
 
 def _error_lines(done: subprocess.CompletedProcess) -> list[str]:
@@ -225,25 +256,18 @@ def _error_lines(done: subprocess.CompletedProcess) -> list[str]:
     return [line for line in done.stderr.splitlines() if "error:" in line]
 
 
-def test_the_script_refuses_a_broken_table_in_one_line_before_building_a_model(world, tmp_path):
-    rows = world["rows"]
-    path = excel_csv(tmp_path / "pairs.csv", rows)
-    path.write_bytes(path.read_bytes().replace(b'"photo 5, a bird"', b"photo 5, a bird"))  # a quote lost
-    done = _train(tmp_path, "--dataset", str(path), "--data_root", str(world["root"]), "--eval_strategy", "no")
+def test_the_script_refuses_a_broken_table_in_one_line_before_building_a_model(script_runs):
+    work, done = script_runs["broken"]
     assert done.returncode == 2
+    path = work / "pairs.csv"
     assert _error_lines(done) == [f"train.py: error: {path}:8: 4 fields where the header (line 1) has 3: a stray "
                                   "comma or quote? Quote a field that holds one."]  # fmt: skip
-    assert not (tmp_path / "out" / "quarantine.jsonl").exists()  # stopped before any row was validated
+    assert not (work / "out" / "quarantine.jsonl").exists()  # stopped before any row was validated
 
 
-def test_the_script_refuses_labels_the_head_cannot_predict(world, tmp_path):
-    rows = world["rows"]
-    train = excel_csv(tmp_path / "train.csv", rows)
-    evaluation = jsonl(
-        tmp_path / "eval.jsonl", [*rows[:4], {**rows[4], "label": "fish"}, {**rows[5], "label": "fish"}]
-    )
-    done = _train(tmp_path, "--dataset", str(train), "--eval_dataset", str(evaluation), "--data_root",
-                  str(world["root"]))  # fmt: skip
+def test_the_script_refuses_labels_the_head_cannot_predict(script_runs):
+    work, done = script_runs["labels"]
+    train, evaluation = work / "train.csv", work / "eval.jsonl"
     assert done.returncode == 2 and _error_lines(done) == [
         f"train.py: error: {evaluation}: 2 evaluation rows have a label that the training data ({train}) lacks, so "
         "the head cannot predict them: 'fish' (2, first at line 5). Add those classes to the training data or drop "
@@ -252,9 +276,13 @@ def test_the_script_refuses_labels_the_head_cannot_predict(world, tmp_path):
 
 
 def test_the_script_trains_on_every_good_row_and_quarantines_the_bad(world, tmp_path):
+    """A run that trains, in a process of its own: what it logs goes to the process's stderr."""
     rows = [*world["rows"], {**world["rows"][0], "label": None}]
     path = jsonl(tmp_path / "pairs.jsonl", rows * 2)  # 26 rows, 2 without a label
-    done = _train(tmp_path, "--dataset", str(path), "--data_root", str(world["root"]), "--eval_strategy", "no")
+    run = _train_args(tmp_path, "--dataset", str(path), "--data_root", str(world["root"]), "--eval_strategy", "no")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, *run["argv"]], capture_output=True, text=True, env=env, cwd=tmp_path,
+                          timeout=600)  # fmt: skip
     assert done.returncode == 0 and not _error_lines(done), done.stderr[-3000:]
     report = [json.loads(line) for line in (tmp_path / "out" / "quarantine.jsonl").read_text().splitlines()]
     assert [(q["line"], q["reason"]) for q in report] == [(13, "bad_label: no label (null or absent)"),
@@ -263,25 +291,22 @@ def test_the_script_trains_on_every_good_row_and_quarantines_the_bad(world, tmp_
     assert (tmp_path / "out" / "model.safetensors").is_file()
 
 
-def test_the_script_refuses_a_wrong_data_root_and_checks_data_without_training(world, tmp_path):
-    path = jsonl(tmp_path / "pairs.jsonl", world["rows"])
-    wrong = str(tmp_path / "imgs")
-    done = _train(tmp_path, "--dataset", str(path), "--data_root", wrong, "--validation_split_percentage", "25",
-                  "--check_data")  # fmt: skip
+def test_the_script_refuses_a_wrong_data_root_and_checks_data_without_training(script_runs):
+    work, done = script_runs["wrong_root"]
+    path, wrong = work / "pairs.jsonl", str(work / "imgs")
     assert done.returncode == 2
     (line,) = _error_lines(done)
     assert line.startswith(f"train.py: error: {path}: 9 of 9 train rows are unusable (missing_image 9), so no train "
                            "pair is left. The first missing_image is at line ")  # fmt: skip
     assert f"is --data_root right? It is '{wrong}'." in line and "/imgs/" in line
-    report = (tmp_path / "out" / "quarantine.jsonl").read_text().splitlines()
+    report = (work / "out" / "quarantine.jsonl").read_text().splitlines()
     assert len(report) == 12 and all("missing_image" in json.loads(q)["reason"] for q in report)
     assert "left out: 12 of 12 rows (100.0%): missing_image 12" in done.stdout
-    assert not (tmp_path / "out" / "model.safetensors").exists()
+    assert not (work / "out" / "model.safetensors").exists()
 
-    done = _train(tmp_path, "--dataset", str(path), "--data_root", str(world["root"]),
-                  "--validation_split_percentage", "25", "--check_data")  # fmt: skip
+    work, done = script_runs["check_data"]
     assert done.returncode == 0 and not _error_lines(done), done.stderr[-3000:]
     assert "train: 9 rows from" in done.stdout and "classes: 3 (usable training rows:" in done.stdout
     assert "images: 12 distinct usable, 24x20 to 31x20 pixels" in done.stdout
     assert "ok: scripts/train.py would train on 9 pairs and evaluate on 3" in done.stdout
-    assert not (tmp_path / "out" / "model.safetensors").exists()
+    assert not (work / "out" / "model.safetensors").exists()

@@ -661,25 +661,22 @@ SCRIPTS = sorted(
 
 
 @pytest.fixture(scope="module")
-def script_help() -> dict:
+def script_help(tmp_path_factory) -> dict:
     """Every script's `--help`, run in one child process (tests/helpers/run_scripts.py): one interpreter start and
     one import of torch and transformers for all of them, where a process each took ~7 s apiece on 2 cores."""
-    import subprocess
-    import sys
+    from helpers.run_scripts import run_in_one_child
 
     paths = [str(ROOT / "scripts" / s) for s in SCRIPTS]
-    done = subprocess.run([sys.executable, "-m", "helpers.run_scripts", "--help", *paths],
-                          capture_output=True, text=True, timeout=600, cwd=ROOT / "tests")  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    return dict(zip(paths, json.loads(done.stdout.splitlines()[-1])))
+    done = run_in_one_child([{"argv": [path, "--help"]} for path in paths], tmp_path_factory.mktemp("help"))
+    return dict(zip(paths, done))
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_every_script_help_runs(script, script_help):
     """The README lists `python scripts/train.py --help`; a bare `%` in one help string would crash it."""
     done = script_help[str(ROOT / "scripts" / script)]
-    assert done["code"] == 0, done["stderr"]
-    text = " ".join(done["stdout"].split())
+    assert done.returncode == 0, done.stderr
+    text = " ".join(done.stdout.split())
     assert text.startswith("usage:")
     if script == "train.py":
         assert "--validation_split_percentage" in text and "hold out this percentage of the training pairs" in text

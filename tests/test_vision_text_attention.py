@@ -96,10 +96,9 @@ def test_a_run_with_tower_reads_draws_them(tmp_path):
     """A run with `vision_text_attention`: scripts/visualize_attention.py draws the cells' attention to a token
     (`--method tower_attention --token N`), one panel per stage read, and says which answer it explains; without
     `--token` it stops before loading the model."""
-    import subprocess
-    import sys
     from pathlib import Path
 
+    from helpers.run_scripts import run_in_one_child
     from helpers.training import TINY
     from PIL import Image
 
@@ -111,11 +110,15 @@ def test_a_run_with_tower_reads_draws_them(tmp_path):
     flags += ["--config_overrides", "vision_text_attention=true"]
     train_and_save(setup_run(["--output_dir", str(out), *TINY, *flags]))
     row = load_easy_vqa(["test"])["test"][0]
-    script = Path(__file__).resolve().parents[1] / "scripts" / "visualize_attention.py"
+    script = str(Path(__file__).resolve().parents[1] / "scripts" / "visualize_attention.py")
     png = tmp_path / "reads.png"
     args = ["--model", str(out), "--image", row["image"], "--question", row["question"], "--output", str(png)]
-    done = subprocess.run([sys.executable, str(script), *args, "--method", "tower_attention", "--token", "1"],
-                          capture_output=True, text=True)  # fmt: skip
+    # both command lines in one child interpreter (tests/helpers/run_scripts.py), each as `python SCRIPT` runs it
+    done, refused = run_in_one_child(
+        [{"argv": [script, *args, "--method", "tower_attention", "--token", "1"]},
+         {"argv": [script, *args, "--method", "tower_attention"], "no_model": True}],
+        tmp_path,
+    )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     assert Image.open(png).size[0] > 300
     model = MMFusionForImageTextClassification.from_pretrained(out).eval()
@@ -126,8 +129,6 @@ def test_a_run_with_tower_reads_draws_them(tmp_path):
     assert result.layers == ["vision stage 1 read", "vision stage 2 read"]  # the stem, then two stages that read
     answer = model.config.id2label[int(result.targets[0])]
     assert done.stderr.splitlines()[-1].startswith(f"{answer} (") and "the tower's reads" in done.stderr
-    refused = subprocess.run([sys.executable, str(script), *args, "--method", "tower_attention"],
-                             capture_output=True, text=True)  # fmt: skip
     assert refused.returncode == 2 and "--method tower_attention maps the attention the cells give one token" in (
         refused.stderr
     )
