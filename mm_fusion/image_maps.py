@@ -32,6 +32,7 @@ test) is `mm_fusion.map_scoring`'s job, drawing them `mm_fusion.map_plot`'s; nei
 """
 
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -153,11 +154,11 @@ def image_maps(
     if method == "tower_attention":
         return _tower_attention_maps(model, inputs, image_index, token)
     # The gradient maps: one image per pair, so that a shared image's gradient is not the sum over its questions.
-    if image_index is not None:
-        inputs["pixel_values"] = pixel_values[image_index]
     if method == "grad_cam":
+        if image_index is not None:
+            inputs["pixel_values"] = pixel_values[image_index]
         return _grad_cam(model, inputs, targets)
-    return _gradient_maps(model, inputs, targets, guided=method == "guided_gradient")
+    return _gradient_maps(model, inputs, targets, guided=method == "guided_gradient", image_index=image_index)
 
 
 def _capture_attention(model, captured: list[torch.Tensor]) -> list:
@@ -337,10 +338,17 @@ def pixel_contributions(
     return contributions, logits, chosen
 
 
-def _contributions(model, inputs: dict, targets: torch.Tensor | None, coarse: str | None) -> tuple:
+def _contributions(
+    model, inputs: dict, targets: torch.Tensor | None, coarse: str | None, image_index: torch.Tensor | None = None
+) -> tuple:
     """[`pixel_contributions`], and with `coarse` the coarse map's record from the same pass: `"attention"` (the
-    fusion layers' attention) or `"grad_cam"` (the last tower map read and its gradient)."""
-    pixels = model.mm_fusion.vision_encoder.normalize_pixels(inputs["pixel_values"]).detach().requires_grad_(True)
+    fusion layers' attention) or `"grad_cam"` (the last tower map read and its gradient). With `image_index`, the
+    images are the distinct ones and each pair gets its own copy (its gradient its own)."""
+    pixels = model.mm_fusion.vision_encoder.normalize_pixels(inputs["pixel_values"]).detach()
+    reference = median_colours(pixels)[..., None, None]  # (N, C, 1, 1), once per distinct image
+    if image_index is not None:
+        pixels, reference = pixels[image_index], reference[image_index]
+    pixels.requires_grad_(True)
     captured: list[torch.Tensor] = []
     handles = []
     if coarse == "grad_cam":
@@ -348,23 +356,48 @@ def _contributions(model, inputs: dict, targets: torch.Tensor | None, coarse: st
     elif coarse == "attention":
         handles = _capture_attention(model, captured)
     try:
-        with torch.enable_grad():
+        with torch.enable_grad(), _parameters_frozen(model):
             logits = model(**{**inputs, "pixel_values": pixels}).logits
             chosen, score = _answer_score(logits, targets)
             gradients = torch.autograd.grad(score, [pixels, *captured[-1:]] if coarse == "grad_cam" else [pixels])
     finally:
         for handle in handles:
             handle.remove()
-    reference = median_colours(pixels.detach())[..., None, None]  # (N, C, 1, 1)
     contributions = ((pixels.detach() - reference) * gradients[0]).sum(1).float()  # (N, H, W)
     return contributions, logits.detach().float(), chosen.detach(), captured, gradients[1:]
 
 
-def _gradient_maps(model, inputs: dict, targets: torch.Tensor | None, guided: bool) -> ImageMaps:
+@contextmanager
+def _parameters_frozen(model):
+    """The model's parameters with `requires_grad` off for the block, then as they were: a map differentiates the
+    answer with respect to the pixels only, so no operation records what the parameters' own gradients would need
+    (about a fifth of a map's time, for a convolutional tower)."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    for parameter in trainable:
+        parameter.requires_grad_(False)
+    try:
+        yield
+    finally:
+        for parameter in trainable:
+            parameter.requires_grad_(True)
+
+
+def _box_mean(maps: torch.Tensor, window: int) -> torch.Tensor:
+    """Each value of `(N, H, W)` maps replaced by the mean over the `window` x `window` square around it (the part
+    inside the map at the edges), as a row pass then a column pass: the same mean as one square pass, in about half
+    its time."""
+    pad = window // 2
+    rows = F.avg_pool2d(maps[:, None], (window, 1), stride=1, padding=(pad, 0), count_include_pad=False)
+    return F.avg_pool2d(rows, (1, window), stride=1, padding=(0, pad), count_include_pad=False)[:, 0]
+
+
+def _gradient_maps(
+    model, inputs: dict, targets: torch.Tensor | None, guided: bool, image_index: torch.Tensor | None
+) -> ImageMaps:
     """`"input_x_gradient"` and `"guided_gradient"` (the module docstring): one forward and one backward pass."""
     late = model.config.fusion_type == "late"
     coarse = ("grad_cam" if late else "attention") if guided else None
-    contributions, logits, chosen, captured, gradients = _contributions(model, inputs, targets, coarse)
+    contributions, logits, chosen, captured, gradients = _contributions(model, inputs, targets, coarse, image_index)
     evidence = contributions.abs()
     size = tuple(evidence.shape[-2:])
     name = "input x gradient"
@@ -377,9 +410,7 @@ def _gradient_maps(model, inputs: dict, targets: torch.Tensor | None, guided: bo
         leading, height, width = _grid(attention.shape[-1])
         evidence = evidence * upsample(attention[:, leading:].reshape(-1, height, width), size)
         name += f" x fusion layer {len(captured)}'s attention"
-    window = smoothing_window(size)
-    summed = F.avg_pool2d(evidence[:, None], window, stride=1, padding=window // 2, count_include_pad=False)
-    maps = _sum_to_one(summed[:, 0])
+    maps = _sum_to_one(_box_mean(evidence, smoothing_window(size)))
     return ImageMaps(
         maps=maps[:, None],
         layers=[name],

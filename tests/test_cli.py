@@ -287,9 +287,9 @@ def test_launch_command_is_read_from_the_launcher():
 
 
 def test_a_mistyped_flag_under_accelerate_launch_is_one_line(tmp_path):
-    """`accelerate launch scripts/train.py --learning_rat 1e-3` ended in the script's traceback (no suggestion), then
-    accelerate's own. The script now exits 2 with one `error:` line. accelerate itself raises CalledProcessError for
-    any script that exits non-zero, unless launched with `-q`: then the line is all there is."""
+    """`accelerate launch -q scripts/train.py --learning_rat 1e-3`: the script exits non-zero with one `error:` line
+    that suggests the flag meant, and no traceback (accelerate itself adds its own CalledProcessError traceback
+    when launched without `-q`, for any script that exits non-zero)."""
     accelerate = str(Path(sys.executable).with_name("accelerate"))
     script = str(ROOT / "scripts" / "train.py")
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
@@ -297,10 +297,7 @@ def test_a_mistyped_flag_under_accelerate_launch_is_one_line(tmp_path):
     quiet = subprocess.run([accelerate, "launch", "-q", "--num_processes", "1", script, "--learning_rat", "1e-3"],
                            capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)  # fmt: skip
     assert quiet.returncode != 0 and expected in quiet.stderr and "Traceback" not in quiet.stderr, quiet.stderr
-    plain = subprocess.run([accelerate, "launch", "--num_processes", "1", script, "--learning_rat", "1e-3"],
-                           capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)  # fmt: skip
-    assert plain.returncode != 0 and expected in plain.stderr
-    assert f'File "{script}"' not in plain.stderr and 'training/arguments.py"' not in plain.stderr  # none of ours
+    assert [line for line in quiet.stderr.splitlines() if "error" in line.lower()] == [expected], quiet.stderr
 
 
 @pytest.mark.parametrize(

@@ -61,8 +61,11 @@ def test_input_x_gradient_is_the_first_order_change_of_giving_pixels_the_median_
     inputs = tester.inputs()
     pixels = inputs["pixel_values"].double()  # float pixels are taken as normalised
     inputs["pixel_values"] = pixels
+    model.mm_fusion.text_model.requires_grad_(False)  # a frozen tower stays frozen, the rest trainable
+    trainable = [p.requires_grad for p in model.parameters()]
     contributions, logits, answers = pixel_contributions(model, inputs)
     assert contributions.shape == (3, 30, 30) and torch.equal(answers, logits.argmax(-1))
+    assert [p.requires_grad for p in model.parameters()] == trainable and any(trainable) and not all(trainable)
     median = pixels.flatten(2).median(-1).values[..., None, None]
     patch = torch.zeros(1, 1, 30, 30, dtype=torch.float64)
     patch[..., 4:12, 10:20] = 1.0
