@@ -12,6 +12,14 @@ of the model it starts from frozen:
 - `fusion`: a LoRA adapter on every `nn.Linear` of the fusion block (`q_proj`, `k_proj`, `v_proj`, `out_proj`, the
   MLPs, the bridges).
 
+`--lora_target_modules` adapts fewer: `query_value`, the attention's query and value where a part has them (as the
+LoRA paper, Hu et al. 2021, arXiv:2106.09685, and peft's defaults for these models do; every layer of a convolutional
+tower), or layers by their own name (`query,value` for BERT, `q_proj,v_proj` for transformers 5's ViT and the fusion
+block). At ViT-B/16 + BERT-base size, query and value only make a step of `--lora` 1.16x full fine-tuning's instead
+of 1.60x (0.41-0.42x its memory either way), but on the MobileNetV2 + MiniLM composition they learn less per step
+(easy-VQA 0.830 against 0.856 at step 400), so every layer stays the default
+(scripts/benchmarks/notes/pretrained_towers_and_lora.md).
+
 A tower left out of `--lora_parts` stays frozen. The fusion block left out of it trains fully, and so do the layers
 beside it (the contrastive `visual_projection` / `text_projection`, FiLM maps) and the heads (`classifier`,
 `itm_head`), which are new for a new task: peft's `modules_to_save`. The default, `vision,text`, adapts pretrained
@@ -85,12 +93,42 @@ def _adaptable(module: nn.Module) -> bool:
     return isinstance(module, nn.Linear) or (isinstance(module, nn.Conv2d) and module.groups == 1)
 
 
-def lora_config(model, parts: str | list[str] = "vision,text", r: int = 8, alpha: int = 16, dropout: float = 0.0):
-    """peft's `LoraConfig` for `model` (an MMFusion head): the layers of `parts` as `target_modules`, and what trains
-    fully (the heads, the fusion block unless adapted, the adapted towers' BatchNorm layers) as `modules_to_save`."""
+# The layers `--lora_target_modules query_value` adapts where a part has them: the attention's query and value (BERT's
+# names, then those of transformers 5's ViT / CLIP and of the fusion block), as the LoRA paper did and as peft's
+# defaults for these models do. A part without them (a convolutional tower) has every layer LoRA can adapt adapted.
+ATTENTION_QUERY_VALUE = ("query", "value", "q_proj", "v_proj")
+
+
+def parse_modules(modules: str | list[str] | None) -> set[str] | str | None:
+    """`"query,value"` -> `{"query", "value"}`; None, empty or `"all"` -> None (every layer LoRA can adapt);
+    `"query_value"` -> itself ([`ATTENTION_QUERY_VALUE`] where a part has them, every layer elsewhere)."""
+    names = {m.strip() for m in modules.split(",")} if isinstance(modules, str) else set(modules or ())
+    names = {m for m in names if m}
+    if not names or names == {"all"}:
+        return None
+    return "query_value" if names == {"query_value"} else names
+
+
+def lora_config(
+    model,
+    parts: str | list[str] = "vision,text",
+    r: int = 8,
+    alpha: int = 16,
+    dropout: float = 0.0,
+    modules: str | list[str] | None = None,
+):
+    """peft's `LoraConfig` for `model` (an MMFusion head): layers of `parts` as `target_modules`, and what trains fully
+    (the heads, the fusion block unless adapted, the adapted towers' BatchNorm layers) as `modules_to_save`.
+    `modules` chooses the layers: by default (or `"all"`) every layer LoRA can adapt; `"query_value"` the attention's
+    query and value where a part has them ([`ATTENTION_QUERY_VALUE`]), every layer of a part without them; names, by
+    their own name (the last part of a layer's path), comma-separated, each part holding one of them."""
     from peft import LoraConfig
 
     parts = parse_parts(parts)
+    wanted, found = parse_modules(modules), set()
+    query_value = wanted == "query_value"
+    if query_value:
+        wanted = set(ATTENTION_QUERY_VALUE)
     prefix = model.base_model_prefix
     body = getattr(model, prefix)
     targets, trained = [], []
@@ -102,12 +140,32 @@ def lora_config(model, parts: str | list[str] = "vision,text", r: int = 8, alpha
         # transformers' MobileNet with TensorFlow padding reads each convolution's `stride` in its forward, which
         # peft's LoRA wrapper of a Conv2d does not pass through: its convolutions stay frozen there.
         convolutions = not getattr(getattr(tower, "config", None), "tf_padding", False)
+        layers = {
+            name: name.rsplit(".", 1)[-1]
+            for name, module in tower.named_modules()
+            if _adaptable(module) and (convolutions or not isinstance(module, nn.Conv2d))
+        }
+        names = set(layers.values())
+        chosen = None if query_value and not names & wanted else wanted  # a part without attention: every layer
+        if chosen is not None and not names & chosen:  # a part left without adapters would train nothing, silently
+            raise ValueError(
+                f"--lora_target_modules {','.join(sorted(chosen))}: the {part} part (--lora_parts) has no layer of "
+                f"these names; its layers LoRA can adapt are named {', '.join(sorted(names)) or 'nothing'}."
+            )
         for name, module in tower.named_modules():
             full = f"{prefix}.{TOWERS[part]}.{name}"
-            if _adaptable(module) and (convolutions or not isinstance(module, nn.Conv2d)):
-                targets.append(full)
+            if name in layers:
+                if chosen is None or layers[name] in chosen:
+                    targets.append(full)
+                    found.add(layers[name])
             elif isinstance(module, nn.modules.batchnorm._BatchNorm):
                 trained.append(full)
+    if wanted is not None and not query_value and wanted - found:
+        raise ValueError(
+            f"--lora_target_modules {','.join(sorted(wanted))}: no Linear or Conv2d layer named "
+            f"{', '.join(sorted(wanted - found))} in --lora_parts {','.join(parts)} (the last part of a layer's path, "
+            "e.g. query,value for a BERT tower)."
+        )
     # Everything else of the model with weights trains fully: the fusion block unless adapted, the layers beside it
     # (the contrastive projections, FiLM maps...), and the heads.
     adapted = {TOWERS[part] for part in parts} | {TOWERS["vision"], TOWERS["text"]}
@@ -131,12 +189,19 @@ def lora_config(model, parts: str | list[str] = "vision,text", r: int = 8, alpha
     )
 
 
-def add_lora(model, parts: str | list[str] = "vision,text", r: int = 8, alpha: int = 16, dropout: float = 0.0):
-    """`model` wrapped in a peft `PeftModel` with LoRA adapters on `parts` ([`lora_config`]); only they, the heads and
-    what trains fully require grad."""
+def add_lora(
+    model,
+    parts: str | list[str] = "vision,text",
+    r: int = 8,
+    alpha: int = 16,
+    dropout: float = 0.0,
+    modules: str | list[str] | None = None,
+):
+    """`model` wrapped in a peft `PeftModel` with LoRA adapters on `parts` (`modules` of them when given;
+    [`lora_config`]); only they, the heads and what trains fully require grad."""
     from peft import get_peft_model
 
-    return get_peft_model(model, lora_config(model, parts, r, alpha, dropout))
+    return get_peft_model(model, lora_config(model, parts, r, alpha, dropout, modules))
 
 
 def has_adapter(model_dir: str | Path) -> bool:

@@ -265,3 +265,45 @@ def test_a_lora_run_resumed_from_its_checkpoint_ends_as_the_uninterrupted_run(tm
     assert end.keys() == again.keys()
     for name, value in end.items():
         torch.testing.assert_close(again[name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_lora_target_modules_pick_the_layers_by_name(tester):
+    """By default (or `all`) every layer LoRA can adapt is adapted; `query_value` the attention's query and value where
+    a part has them (a ViT or BERT tower, the fusion block), every layer of a part without them (a convolutional
+    tower); names given adapt those, and a name no layer has, or a part none of whose layers has one, is refused."""
+    from mm_fusion import MMFusionForImageTextClassification
+
+    model = MMFusionForImageTextClassification(tester.config("hierarchical"))
+
+    def own_names(targets, part):
+        return {name.rsplit(".", 1)[-1] for name in targets if name.startswith(f"mm_fusion.{part}.")}
+
+    every = lora_config(model, "vision,text,fusion").target_modules
+    assert set(lora_config(model, "vision,text,fusion", modules="all").target_modules) == set(every)
+    assert own_names(every, "text_model") == {"query", "value", "key", "dense"} and "k_proj" in own_names(
+        every, "encoder"
+    )
+    query_value = lora_config(model, "vision,text,fusion", modules="query_value").target_modules
+    assert own_names(query_value, "text_model") == {"query", "value"}
+    assert (
+        own_names(query_value, "encoder")
+        == own_names(query_value, "vision_encoder.vision_model")
+        == {
+            "q_proj",
+            "v_proj",
+        }
+    )  # the fusion block and a ViT tower
+    # A convolutional tower has no attention: query_value adapts every layer LoRA can adapt there.
+    convolutional = tester.config("late", vision_config=tester.mobilenet_config(tf_padding=False))
+    convolutional = MMFusionForImageTextClassification(convolutional)
+    vision = lora_config(convolutional, "vision").target_modules
+    assert vision and set(vision) == set(lora_config(convolutional, "vision", modules="query_value").target_modules)
+    chosen = lora_config(model, "text", modules="query, value").target_modules
+    assert set(chosen) == {n for n in query_value if n.startswith("mm_fusion.text_model.")}
+    with pytest.raises(ValueError, match=r"--lora_target_modules query,qv: no Linear or Conv2d layer named qv in "):
+        lora_config(model, "text", modules="query,qv")
+    # A part none of whose layers has one of the names would train nothing: refused, with the names it has.
+    with pytest.raises(ValueError, match=r"the vision part \(--lora_parts\) has no layer of these names; its"):
+        lora_config(model, "vision,text", modules="query,value")
+    model_args, _, _ = parse_arguments(["--output_dir", "x", "--lora", "--lora_target_modules", "query_value"])
+    assert model_args.lora_target_modules == "query_value"

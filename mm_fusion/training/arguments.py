@@ -205,6 +205,17 @@ class ModelArguments:
         default="vision,text",
         metadata={"help": "--lora: the parts given adapters, comma-separated: vision, text, fusion."},
     )
+    lora_target_modules: str | None = field(
+        default=None,
+        metadata={
+            "help": "--lora: the layers of --lora_parts adapted. Default (or all): every Linear and ungrouped Conv2d "
+            "layer. query_value: the attention's query and value where a part has them (as peft does for these "
+            "models), every layer of a convolutional tower: at ViT-B/16 + BERT-base size a step takes 1.16x full "
+            "fine-tuning's instead of 1.60x, but learned less per step on the MobileNetV2 + MiniLM composition "
+            "(scripts/benchmarks/RESULTS.md). Or names, comma-separated (the last part of a layer's path), each part "
+            "holding one of them: query,value for a BERT tower, q_proj,v_proj for a ViT tower and the fusion block."
+        },
+    )
     lora_r: int = field(default=8, metadata={"help": "--lora: the adapters' rank."})
     lora_alpha: int = field(default=16, metadata={"help": "--lora: the adapters' scale numerator (scale alpha / r)."})
     lora_dropout: float = field(default=0.0, metadata={"help": "--lora: dropout on the adapters' input."})

@@ -314,6 +314,7 @@ def lora_summary(model, model_args, output_dir: str) -> dict:
         "r": config.r,
         "alpha": config.lora_alpha,
         "parts": parse_parts(model_args.lora_parts),
+        "target_modules": sorted({name.rsplit(".", 1)[-1] for name in config.target_modules}),
         "trained": trained,
         "trainable_parameters": sum(p.numel() for p in model.parameters() if p.requires_grad),
         "parameters": sum(p.numel() for p in model.parameters()),

@@ -69,7 +69,14 @@ def with_lora(model, model_args: ModelArguments, training_args):
 
     if training_args.process_index == 0:
         model.save_pretrained(training_args.output_dir)
-    return add_lora(model, model_args.lora_parts, model_args.lora_r, model_args.lora_alpha, model_args.lora_dropout)
+    return add_lora(
+        model,
+        model_args.lora_parts,
+        model_args.lora_r,
+        model_args.lora_alpha,
+        model_args.lora_dropout,
+        model_args.lora_target_modules,
+    )
 
 
 def input_image_size(config: MMFusionConfig, requested: int | None) -> int:

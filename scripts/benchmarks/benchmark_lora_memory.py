@@ -9,9 +9,11 @@ malloc as it comes (`--release_freed_memory False`), and with `--release_freed_m
 fixes glibc's mmap threshold at 64 KiB: every block over that size is a mapping of its own, given back when freed, so
 the process's RSS follows the tensors alive (the analogue of a GPU's `max_memory_allocated`; as it comes, glibc keeps
 freed blocks in its heaps and the RSS also holds what they left).
-Recipes: `full` (every weight trains), `lora` (`--lora --lora_gradient_checkpointing False`: adapters on both towers,
-the fusion block and the head trained fully), and each again with gradient checkpointing (`+ckpt`:
-`--activation_checkpointing True`; for LoRA `--lora` as it comes, which turns it on).
+Recipes: `full` (every weight trains), `lora` (`--lora --lora_gradient_checkpointing False`: adapters on every Linear
+of both towers, the fusion block and the head trained fully), `lora_qv` (the same with adapters on the attention's
+query and value only, `--lora_target_modules query,value,q_proj,v_proj`: what `--lora_target_modules query_value`
+adapts in these towers), and each again with gradient checkpointing (`+ckpt`: `--activation_checkpointing True`; for
+LoRA `--lora` as it comes, which turns it on).
 
 Reported per recipe: the parameters (trainable of all), the process's peak RSS and its growth over the built model,
 the ratio of the peak to `full`'s under the same allocator, seconds per optimizer step, and what held memory: the
@@ -47,7 +49,10 @@ from benchmarking import (
 from transformers import HfArgumentParser, TrainerCallback
 
 
-RECIPES = ("full", "lora", "full+ckpt", "lora+ckpt")
+RECIPES = ("full", "lora", "full+ckpt", "lora+ckpt", "lora_qv", "lora_qv+ckpt")
+# The layers `lora_qv` adapts (`--lora_target_modules`): the attention's query and value (BERT's names, then
+# transformers 5's ViT's), what `--lora_target_modules query_value` adapts in these towers.
+QV = "query,value,q_proj,v_proj"
 # Each allocator's --release_freed_memory (mm_fusion.training.launch.release_freed_memory).
 ALLOCATORS = {"glibc": "False", "glibc, mmap over 64 KiB": "True"}
 
@@ -160,6 +165,8 @@ def run_trial(payload: dict) -> dict:
     argv += ["--release_freed_memory", ALLOCATORS[payload["allocator"]]]
     if recipe.startswith("lora"):  # --lora turns checkpointing on by default (--lora_gradient_checkpointing)
         argv += ["--lora"] if recipe.endswith("+ckpt") else ["--lora", "--lora_gradient_checkpointing", "False"]
+        if recipe.startswith("lora_qv"):
+            argv += ["--lora_target_modules", QV]
     else:  # full fine-tuning trains the text tower too (a pretrained one is frozen by default)
         argv += ["--freeze_text_model", "False"]
         if recipe.endswith("+ckpt"):
@@ -176,6 +183,7 @@ def run_trial(payload: dict) -> dict:
     named = list(model.named_parameters())
     trainable = sum(p.numel() for _, p in named if p.requires_grad)
     copies = sum(p.numel() for n, p in named if ".original_module." in n)
+    adapted = [n for n, _ in model.named_modules() if n.endswith(".lora_A")]  # one per adapted layer
     batch = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
     saved, by_kind = saved_for_backward(model, batch)
     return {
@@ -187,6 +195,7 @@ def run_trial(payload: dict) -> dict:
         "parameters": sum(p.numel() for _, p in named),
         "trainable_parameters": trainable,
         "peft_original_copies": copies,
+        "adapted_layers": {tower: sum(f".{tower}." in n for n in adapted) for tower in ("vision_model", "text_model")},
         "built_mib": round(built_mib, 1),
         "peak_memory_mib": round(peak, 1),
         "peak_growth_mib": round(growth, 1),
@@ -262,16 +271,26 @@ def markdown(trials: list[dict], args, info: dict) -> str:
 
 
 def as_they_come(trials: list[dict]) -> str:
-    """The line a user's comparison gives: `--lora` as it comes (checkpointing, freed memory given back) against full
-    fine-tuning as it comes (neither)."""
-    peak = {(t["allocator"], t["recipe"]): t["peak_memory_mib"] for t in trials}
-    lora, full = peak.get(("glibc, mmap over 64 KiB", "lora+ckpt")), peak.get(("glibc", "full"))
-    if lora is None or full is None:
-        return ""
-    return (
-        f"\n`--lora` as it comes (checkpointing on, freed memory given back) against full fine-tuning as it comes: "
-        f"{lora:.0f} / {full:.0f} MiB = **{lora / full:.2f}**.\n"
-    )
+    """The lines a user's comparison gives: `--lora` as it comes (checkpointing, freed memory given back), adapters on
+    every Linear (the default) and on query / value, against full fine-tuning as it comes (neither): memory and step
+    time."""
+    by = {(t["allocator"], t["recipe"]): t for t in trials}
+    full = by.get(("glibc", "full"))
+    lines = []
+    qv = ("lora_qv+ckpt", f"the attention's query and value (`--lora_target_modules {QV}`)")
+    for recipe, what in (("lora+ckpt", "every Linear of the towers (the default)"), qv):
+        lora = by.get(("glibc, mmap over 64 KiB", recipe))
+        if lora is None or full is None:
+            continue
+        memory = lora["peak_memory_mib"] / full["peak_memory_mib"]
+        time = lora["seconds_per_step"] / full["seconds_per_step"]
+        lines.append(
+            f"`--lora` as it comes (checkpointing on, freed memory given back), adapters on {what}, against full "
+            f"fine-tuning as it comes: {lora['peak_memory_mib']:.0f} / {full['peak_memory_mib']:.0f} MiB = "
+            f"**{memory:.2f}x** the memory, {lora['seconds_per_step']:.1f} / {full['seconds_per_step']:.1f} s a step "
+            f"= **{time:.2f}x** the time."
+        )
+    return "".join("\n" + line + "\n" for line in lines)
 
 
 if __name__ == "__main__":

@@ -37,11 +37,12 @@ def test_tiny_run_compares_recipes_under_both_allocators(tmp_path):
     output = tmp_path / "lora_memory"
     argv = ["--hidden_size", "32", "--num_hidden_layers", "2", "--num_attention_heads", "2", "--intermediate_size",
             "64", "--image_size", "32", "--patch_size", "16", "--batch_size", "4", "--steps", "1",
-            "--recipes", "full", "lora+ckpt", "--output", str(output)]  # fmt: skip
+            "--recipes", "full", "lora+ckpt", "lora_qv+ckpt", "--output", str(output)]  # fmt: skip
     benchmark_lora_memory.main(argv)
     report = json.loads(output.with_suffix(".json").read_text())
     trials = {(t["allocator"], t["recipe"]): t for t in report["trials"]}
-    assert set(trials) == {(a, r) for a in benchmark_lora_memory.ALLOCATORS for r in ("full", "lora+ckpt")}
+    recipes = ("full", "lora+ckpt", "lora_qv+ckpt")
+    assert set(trials) == {(a, r) for a in benchmark_lora_memory.ALLOCATORS for r in recipes}
     for (allocator, recipe), t in trials.items():
         lora = recipe.startswith("lora")
         assert ("--lora" in t["command"].split()) == lora
@@ -55,9 +56,18 @@ def test_tiny_run_compares_recipes_under_both_allocators(tmp_path):
     for allocator in benchmark_lora_memory.ALLOCATORS:  # checkpointing took effect: fewer activations kept
         full, lora = (trials[allocator, r]["saved_for_backward_mib"] for r in ("full", "lora+ckpt"))
         assert lora < full / 2
-    # The report's one line that is not in the JSON: the ratio a user's comparison gives.
+        # adapters on query / value only: fewer trainable parameters than on every Linear, named in the command
+        every, qv = (trials[allocator, r] for r in ("lora+ckpt", "lora_qv+ckpt"))
+        assert qv["trainable_parameters"] < every["trainable_parameters"]
+        assert f"--lora_target_modules {benchmark_lora_memory.QV}" in qv["command"]
+        assert "--lora_target_modules" not in every["command"]
+        for tower in ("vision_model", "text_model"):  # both towers adapted, at fewer layers
+            assert 0 < qv["adapted_layers"][tower] < every["adapted_layers"][tower]
+    # The report's lines that are not in the JSON: the ratios a user's comparison gives.
     table = output.with_suffix(".md").read_text()
-    as_they_come = (
-        trials["glibc, mmap over 64 KiB", "lora+ckpt"]["peak_memory_mib"] / trials["glibc", "full"]["peak_memory_mib"]
-    )
-    assert "`--lora` as it comes" in table and f"**{as_they_come:.2f}**" in table
+    full = trials["glibc", "full"]
+    for recipe in ("lora+ckpt", "lora_qv+ckpt"):
+        lora = trials["glibc, mmap over 64 KiB", recipe]
+        memory = lora["peak_memory_mib"] / full["peak_memory_mib"]
+        time = lora["seconds_per_step"] / full["seconds_per_step"]
+        assert f"**{memory:.2f}x** the memory" in table and f"**{time:.2f}x** the time" in table
