@@ -6,7 +6,10 @@ Where a classification model looks in the image for its answer, as maps over the
   backpropagation by Grad-CAM. Each pixel's input x gradient is the first-order change of the answer's logit were the
   pixel given the image's median colour (the background's, on a plain background), in magnitude: `|sum_c (x_c -
   median_c) * dlogit/dx_c|`. The coarse map is the question's cross-attention in the last fusion layer (`hierarchical`,
-  `cross_attention`) or Grad-CAM on the tower's last map read (`late`), put on the pixels bilinearly. The product is
+  `cross_attention`) or Grad-CAM on the tower's last map read (`late`), put on the pixels bilinearly; for a tower whose
+  stages read the question (`vision_text_attention`), also where the first stage's read moves the answer (per cell,
+  `|read . dlogit/dread|`: the pixels where the question's words are read, and where the tower's own reading of the
+  question matters). The product is
   summed over a window of a seventh of the image's side (9 pixels at 64), so that its peak is where the evidence
   gathers rather than one noisy pixel. One forward and one backward pass per answer explained; the map is on the
   image's pixels.
@@ -334,7 +337,7 @@ def pixel_contributions(
     the answer's logit were the pixel given the image's median colour (negated: positive where that colour would lower
     the answer). Returns it with the logits and the answers explained (`targets`, by default the top ones).
     """
-    contributions, logits, chosen, _, _ = _contributions(model, inputs, targets, None)
+    contributions, logits, chosen, _, _, _ = _contributions(model, inputs, targets, None)
     return contributions, logits, chosen
 
 
@@ -342,8 +345,9 @@ def _contributions(
     model, inputs: dict, targets: torch.Tensor | None, coarse: str | None, image_index: torch.Tensor | None = None
 ) -> tuple:
     """[`pixel_contributions`], and with `coarse` the coarse map's record from the same pass: `"attention"` (the
-    fusion layers' attention) or `"grad_cam"` (the last tower map read and its gradient). With `image_index`, the
-    images are the distinct ones and each pair gets its own copy (its gradient its own)."""
+    fusion layers' attention; and for a tower whose stages read the text, [`_read_contributions`] of its first read)
+    or `"grad_cam"` (the last tower map read and its gradient). With `image_index`, the images are the distinct ones
+    and each pair gets its own copy (its gradient its own)."""
     pixels = model.mm_fusion.vision_encoder.normalize_pixels(inputs["pixel_values"]).detach()
     reference = median_colours(pixels)[..., None, None]  # (N, C, 1, 1), once per distinct image
     if image_index is not None:
@@ -355,16 +359,33 @@ def _contributions(
         handles = [_capture_last_map(model, captured)]
     elif coarse == "attention":
         handles = _capture_attention(model, captured)
+    reads = model.mm_fusion.vision_encoder.vision_text_attention if coarse == "attention" else None
+    if reads is not None:
+        reads.read_outputs = []
     try:
         with torch.enable_grad(), _parameters_frozen(model):
             logits = model(**{**inputs, "pixel_values": pixels}).logits
             chosen, score = _answer_score(logits, targets)
-            gradients = torch.autograd.grad(score, [pixels, *captured[-1:]] if coarse == "grad_cam" else [pixels])
+            wrt = [pixels, *captured[-1:]] if coarse == "grad_cam" else [pixels]
+            if reads is not None:
+                before, after = reads.read_outputs[0]
+                wrt.append(after)
+            gradients = torch.autograd.grad(score, wrt)
     finally:
         for handle in handles:
             handle.remove()
+        if reads is not None:
+            reads.read_outputs = None
     contributions = ((pixels.detach() - reference) * gradients[0]).sum(1).float()  # (N, H, W)
-    return contributions, logits.detach().float(), chosen.detach(), captured, gradients[1:]
+    read = None if reads is None else _read_contributions(before, after, gradients[1])
+    return contributions, logits.detach().float(), chosen.detach(), captured, gradients[1:], read
+
+
+def _read_contributions(before: torch.Tensor, after: torch.Tensor, gradient: torch.Tensor) -> torch.Tensor:
+    """Where a tower stage's read of the text moves the answer: per cell, `|sum_c read_c * dlogit/dread_c|`, the
+    first-order change of the answer's logit were the cell's read (`after - before`, `(N, C, h, w)`) taken away
+    (`gradient`: the logit's gradient at `after`, the same as at the read). `(N, h, w)`."""
+    return ((after.detach() - before.detach()) * gradient).sum(1).abs().float()
 
 
 @contextmanager
@@ -397,7 +418,9 @@ def _gradient_maps(
     """`"input_x_gradient"` and `"guided_gradient"` (the module docstring): one forward and one backward pass."""
     late = model.config.fusion_type == "late"
     coarse = ("grad_cam" if late else "attention") if guided else None
-    contributions, logits, chosen, captured, gradients = _contributions(model, inputs, targets, coarse, image_index)
+    contributions, logits, chosen, captured, gradients, read = _contributions(
+        model, inputs, targets, coarse, image_index
+    )
     evidence = contributions.abs()
     size = tuple(evidence.shape[-2:])
     name = "input x gradient"
@@ -410,6 +433,9 @@ def _gradient_maps(
         leading, height, width = _grid(attention.shape[-1])
         evidence = evidence * upsample(attention[:, leading:].reshape(-1, height, width), size)
         name += f" x fusion layer {len(captured)}'s attention"
+        if read is not None:
+            evidence = evidence * upsample(read, size)
+            name += " x the tower's first read x its gradient"
     maps = _sum_to_one(_box_mean(evidence, smoothing_window(size)))
     return ImageMaps(
         maps=maps[:, None],

@@ -533,6 +533,9 @@ class MMFusionVisionCrossAttention(nn.Module):
         self._image_index: torch.Tensor | None = None
         # Set to a list to record each stage's read probabilities and grid (image_maps' "tower_attention" maps).
         self.recorded: list[tuple[torch.Tensor, tuple[int, int]]] | None = None
+        # Set to a list to record each stage's map before and after its read (image_maps' "guided_gradient" weights the
+        # pixels by where the first read's contribution moves the answer).
+        self.read_outputs: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         for index, stage in enumerate(list(stages)[first_stage:]):
             stage.register_forward_hook(_StageHook(self, index))
 
@@ -549,4 +552,7 @@ class MMFusionVisionCrossAttention(nn.Module):
         text, mask = self._condition
         if self.recorded is not None:
             self.recorded.append((self.reads[index].probabilities(hidden, text, mask), tuple(hidden.shape[-2:])))
-        return self.reads[index](hidden, text, mask)
+        output = self.reads[index](hidden, text, mask)
+        if self.read_outputs is not None:
+            self.read_outputs.append((hidden, output))
+        return output

@@ -126,6 +126,37 @@ def test_guided_gradient_weights_the_pixels_by_the_models_coarse_map(tester, fus
     assert not torch.allclose(other.maps, result.maps)
 
 
+def test_guided_gradient_of_a_reading_tower_weights_by_where_its_first_read_moves_the_answer(tester):
+    """For a tower whose stages read the question, the default map also weights the pixels by where the first stage's
+    read moves the answer: per cell, |read . dlogit/dread|, the read taken from the read module's own output."""
+    model = classifier(tester, "hierarchical", "resnet", vision_text_attention=True)
+    inputs = tester.inputs()
+    result = model.image_maps(**inputs)
+    assert result.method == "guided_gradient"
+    assert result.layers == ["input x gradient x fusion layer 2's attention x the tower's first read x its gradient"]
+    first = model.mm_fusion.vision_encoder.vision_text_attention.reads[0]
+    seen = []
+    handle = first.register_forward_hook(lambda module, args, output: seen.append((args[0], output)))
+    try:
+        with torch.enable_grad():
+            logits = model(**inputs).logits
+            hidden, output = seen[0]
+            (gradient,) = torch.autograd.grad(logits.gather(1, logits.argmax(-1, keepdim=True)).sum(), output)
+    finally:
+        handle.remove()
+    read = ((output - hidden).detach() * gradient).sum(1).abs()  # (N, 8, 8): stage 1's grid
+    assert read.shape == (3, 8, 8) and (read > 0).any()
+    contributions, _, _ = pixel_contributions(model, inputs)
+    attention = upsample(model.image_maps(**inputs, method="attention").maps[:, -1], (30, 30))
+    window = smoothing_window((30, 30))
+    evidence = contributions.abs() * attention * upsample(read, (30, 30))
+    summed = F.avg_pool2d(evidence[:, None], window, 1, window // 2, count_include_pad=False)[:, 0]
+    torch.testing.assert_close(result.maps[:, 0], summed / summed.sum((-1, -2), keepdim=True))
+    assert model.mm_fusion.vision_encoder.vision_text_attention.read_outputs is None  # the model is left as it was
+    alone = model.image_maps(**inputs, method="input_x_gradient")  # the pixels alone: no coarse map, no read
+    assert alone.layers == ["input x gradient"]
+
+
 def test_maps_of_texts_sharing_an_image(tester):
     """Texts that share an image through `image_index` get the maps they get with their own copy of it."""
     cases = [("hierarchical", m) for m in ("attention", "grad_cam", "input_x_gradient", "guided_gradient")]

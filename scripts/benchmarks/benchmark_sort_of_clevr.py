@@ -49,6 +49,13 @@ RUNS = {
         "the text stream",
     ),
     "hierarchical_seed_1": ([HIERARCHICAL, "--seed", "1"], "the hierarchical recipe, another initialisation"),
+    **{
+        f"hierarchical_4_epochs{'' if seed == 0 else f'_seed_{seed}'}": (
+            [HIERARCHICAL, "--num_train_epochs", "4", *([] if seed == 0 else ["--seed", str(seed)])],
+            f"the hierarchical recipe stopped at 4 epochs (its schedule ending there), seed {seed}",
+        )
+        for seed in (0, 1, 2)
+    },
     "cross_attention": (
         [HIERARCHICAL, "--fusion_type", "cross_attention"],
         "the hierarchical recipe with `cross_attention` fusion: the text tower's last layer (not the words) reads "
@@ -262,6 +269,7 @@ def plot(rows: dict[str, dict], path: Path) -> None:
 
     # The main recipe's runs only: the fine-tuning runs have a shorter budget (the table has them).
     main_runs = ("film", "film_seed_1", "hierarchical", "hierarchical_seed_1", "cross_attention", "late")
+    main_runs += tuple(n for n in RUNS if n.startswith("hierarchical_4_epochs"))
     main_runs += ("image_only", "text_only", *OTHER_RECIPES, "question_only_ceiling")
     vqa = [rows[n] for n in main_runs if n in rows and "eval_accuracy_relational" in rows[n]]
     curves = [rows[n] for n in ORDER if n in rows and rows[n].get("curve")]
