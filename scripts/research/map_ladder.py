@@ -1,0 +1,163 @@
+"""Where a Sort-of-CLEVR model's evidence for its answer lies: candidate maps read from one forward and one backward
+pass of a saved model whose tower reads the question (`vision_text_attention`), each scored by whether its peak lies
+inside the object a held-out non-relational question names (as scripts/benchmarks/benchmark_pointing.py scores the
+library's maps).
+
+    python scripts/research/map_ladder.py --model outputs/sort_of_clevr/hierarchical_4_epochs --images 100 \\
+        --name seed_0
+
+The candidates, each one change from the library's map before the tower's read weighted it (input x gradient x the
+last fusion layer's attention, summed over the window): the window's side; the attention squared; the colour word's
+attention instead of the mean over the question; the positive or negative part of input x gradient; and per tower
+stage after the stem, |read . dlogit/dread| (where that stage's read of the question moves the answer), its read's
+attention on the colour word, and either as a further weight. Prints the table and stores it under `--name` in
+`--output` (scripts/research/results/map_ladder.json), beside the models measured before.
+"""
+
+import argparse
+import datetime
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "scripts/benchmarks"))
+
+from benchmark_pointing import (  # noqa: E402
+    NON_RELATIONAL,
+    colour_word_positions,
+    held_out_questions,
+    load,
+    recipe_dataset_options,
+)
+from benchmarking import machine  # noqa: E402
+
+from mm_fusion.image_maps import (  # noqa: E402
+    _box_mean,
+    _capture_attention,
+    _grid,
+    _text_mean,
+    median_colours,
+    smoothing_window,
+    upsample,
+)
+from mm_fusion.map_scoring import peak_inside  # noqa: E402
+
+
+def batch_maps(model, processor, rows) -> tuple[dict[str, torch.Tensor], tuple[int, int]]:
+    """Every candidate map `(N, H, W)` of one batch of questions."""
+    reads = model.mm_fusion.vision_encoder.vision_text_attention
+    batch = processor(images=rows["image"], text=rows["question"])
+    size = tuple(batch["pixel_values"].shape[-2:])
+    window = smoothing_window(size)
+    pixels = model.mm_fusion.vision_encoder.normalize_pixels(batch["pixel_values"]).detach()
+    reference = median_colours(pixels)[..., None, None]
+    pixels.requires_grad_(True)
+    attention_record = []
+    handles = _capture_attention(model, attention_record)
+    reads.read_outputs, reads.recorded = [], []
+    try:
+        with torch.enable_grad():
+            logits = model(**{**batch, "pixel_values": pixels}).logits
+            score = logits.gather(1, logits.argmax(-1, keepdim=True)).sum()
+            stages = list(reads.read_outputs)
+            gradients = torch.autograd.grad(score, [pixels, *(after for _, after in stages)])
+        recorded = reads.recorded
+    finally:
+        for handle in handles:
+            handle.remove()
+        reads.read_outputs = reads.recorded = None
+    signed = ((pixels.detach() - reference) * gradients[0]).sum(1)
+    pixel_evidence = signed.abs()
+    count = len(signed)
+    leading, height, width = _grid(attention_record[-1].shape[-1])
+    attention = _text_mean(attention_record[-1], batch["attention_mask"])[:, leading:].reshape(-1, height, width)
+    attention = upsample(attention, size)
+    colour = colour_word_positions(processor.tokenizer, rows["question"])
+    colour_attention = attention_record[-1].mean(1)[torch.arange(count), colour][:, leading:]
+    colour_attention = upsample(colour_attention.reshape(-1, height, width), size)
+    maps = {
+        "input x gradient": _box_mean(pixel_evidence, window),
+        "input x gradient x attention (the map before the read's weight)": _box_mean(
+            pixel_evidence * attention, window
+        ),
+        "... window 5": _box_mean(pixel_evidence * attention, 5),
+        "... window 13": _box_mean(pixel_evidence * attention, 13),
+        "... attention squared": _box_mean(pixel_evidence * attention**2, window),
+        "... the colour word's attention instead of the mean": _box_mean(pixel_evidence * colour_attention, window),
+        "... positive input x gradient only": _box_mean(signed.clamp(min=0) * attention, window),
+        "... negative input x gradient only": _box_mean((-signed).clamp(min=0) * attention, window),
+    }
+    for k, ((before, after), gradient) in enumerate(zip(stages, gradients[1:])):
+        stage = k + 1 + reads.first_stage
+        moved = upsample(((after - before).detach() * gradient).sum(1).abs(), size)
+        probabilities, grid = recorded[k]
+        on_colour = probabilities.mean(1)[torch.arange(count), :, colour].reshape(count, *grid)
+        on_colour = upsample(on_colour, size)
+        maps[f"stage {stage}: |read . gradient|"] = moved
+        maps[f"stage {stage}: input x gradient x |read . gradient|"] = _box_mean(pixel_evidence * moved, window)
+        maps[f"stage {stage}: ... x |read . gradient|"] = _box_mean(pixel_evidence * attention * moved, window)
+        maps[f"stage {stage}: its read's attention on the colour word"] = on_colour
+        maps[f"stage {stage}: ... x its read's attention on the colour word"] = _box_mean(
+            pixel_evidence * attention * on_colour, window
+        )
+    return maps, size
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", required=True, help="A Sort-of-CLEVR model whose tower reads the question.")
+    parser.add_argument("--images", type=int, default=100, help="Held-out images (6 non-relational questions each).")
+    parser.add_argument("--name", default=None, help="Store the table under this name (default: the model's folder).")
+    default = str(ROOT / "scripts/research/results/map_ladder.json")
+    parser.add_argument("--output", default=default, help="The JSON file it is stored in.")
+    args = parser.parse_args(argv)
+    model, processor = load(args.model)
+    if model.mm_fusion.vision_encoder.vision_text_attention is None:
+        raise ValueError(f"{args.model}: its vision tower reads no text (config.vision_text_attention is off).")
+    for parameter in model.parameters():
+        parameter.requires_grad_(False)
+    test, boxes = held_out_questions(recipe_dataset_options(), args.images)
+    keep = [i for i, family in enumerate(test["question_family"]) if family in NON_RELATIONAL]
+    test, boxes = test.select(keep), boxes[keep]
+    pointed, families = {}, []
+    for start in range(0, len(test), 64):
+        rows = test[start : start + 64]
+        maps, (height, width) = batch_maps(model, processor, rows)
+        scale = torch.tensor([width, height] * 2) / torch.tensor([rows["image"][0].width, rows["image"][0].height] * 2)
+        box = (boxes[start : start + 64].float() * scale).round().long()
+        for name, batch in maps.items():
+            pointed.setdefault(name, []).append(peak_inside(batch[:, None], box, (height, width))[:, 0].numpy())
+        families += rows["question_family"]
+    families = np.array(families)
+    table = {}
+    for name, parts in pointed.items():
+        hits = np.concatenate(parts)
+        table[name] = {"non_relational": round(float(hits.mean()), 4)}
+        table[name] |= {family: round(float(hits[families == family].mean()), 4) for family in NON_RELATIONAL}
+    print(f"{'map':78s} non-rel.  shape  left   top")
+    for name, entry in table.items():
+        figures = "  ".join(f"{entry[key]:.3f}" for key in ("non_relational", *NON_RELATIONAL))
+        print(f"{name:78s} {figures}")
+    report = {
+        "model": args.model,
+        "date": datetime.date.today().isoformat(),
+        "images": args.images,
+        "questions": len(families),
+        "command": "python scripts/research/map_ladder.py " + " ".join(argv or sys.argv[1:]),
+        "machine": machine(),
+        "maps": table,
+    }
+    output = Path(args.output)
+    stored = json.loads(output.read_text()) if output.is_file() else {}
+    stored[args.name or Path(args.model).name] = report
+    output.write_text(json.dumps(stored, indent=2) + "\n")
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,46 @@
+"""scripts/research/map_ladder.py: its candidate maps of a model whose tower reads the question, scored per family;
+the stage-1 read-weighted candidate is the library's default map."""
+
+import json
+
+import map_ladder  # scripts/research is on sys.path (conftest.py)
+import torch
+
+import mm_fusion
+from mm_fusion import MMFusionForImageTextClassification
+
+
+OPTIONS = "num_train_images=4,num_test_images=6,seed=3"
+
+
+def test_the_ladder_scores_every_candidate_and_its_stage_1_map_is_the_librarys(tester, tmp_path, monkeypatch):
+    monkeypatch.setattr(map_ladder, "recipe_dataset_options", lambda: OPTIONS)
+    test, _ = map_ladder.held_out_questions(OPTIONS, 3)
+    torch.manual_seed(0)
+    config = tester.config("hierarchical", vision_config=tester.resnet_config(), vision_text_attention=True)
+    MMFusionForImageTextClassification(config).save_pretrained(tmp_path)
+    tokenizer = mm_fusion.train_tokenizer(list(test["question"]), vocab_size=60)
+    image_processor = mm_fusion.MMFusionImageProcessor(size={"height": tester.image_size, "width": tester.image_size})
+    mm_fusion.MMFusionProcessor(image_processor, tokenizer).save_pretrained(tmp_path)
+
+    output = tmp_path / "ladder.json"
+    output.write_text(json.dumps({"another model": {"maps": {}}}))
+    report = map_ladder.main(["--model", str(tmp_path), "--images", "3", "--output", str(output), "--name", "tiny"])
+    non_relational = [f for f in test["question_family"] if f in map_ladder.NON_RELATIONAL]
+    assert report["questions"] == len(non_relational) > 0
+    stored = json.loads(output.read_text())
+    assert stored["tiny"]["maps"] == report["maps"] and "another model" in stored  # stored beside the others
+    stages = [name for name in report["maps"] if name.startswith("stage ")]
+    assert len(stages) == 5 * 2  # five candidates for each of the tiny tower's two reading stages
+    for entry in report["maps"].values():
+        assert set(entry) == {"non_relational", *map_ladder.NON_RELATIONAL}
+        assert all(0.0 <= value <= 1.0 for value in entry.values())
+
+    model, processor = map_ladder.load(str(tmp_path))
+    for parameter in model.parameters():
+        parameter.requires_grad_(False)
+    rows = test[:6]
+    maps, _ = map_ladder.batch_maps(model, processor, rows)
+    library = model.image_maps(**processor(images=rows["image"], text=rows["question"])).maps[:, 0]
+    ours = maps["stage 1: ... x |read . gradient|"]
+    torch.testing.assert_close(ours / ours.sum((-1, -2), keepdim=True), library)
