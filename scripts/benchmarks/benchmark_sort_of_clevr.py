@@ -49,6 +49,7 @@ RUNS = {
         "the text stream",
     ),
     "hierarchical_seed_1": ([HIERARCHICAL, "--seed", "1"], "the hierarchical recipe, another initialisation"),
+    "hierarchical_seed_2": ([HIERARCHICAL, "--seed", "2"], "the hierarchical recipe, a third initialisation"),
     **{
         f"hierarchical_4_epochs{'' if seed == 0 else f'_seed_{seed}'}": (
             [HIERARCHICAL, "--num_train_epochs", "4", *([] if seed == 0 else ["--seed", str(seed)])],
@@ -268,7 +269,15 @@ def plot(rows: dict[str, dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     # The main recipe's runs only: the fine-tuning runs have a shorter budget (the table has them).
-    main_runs = ("film", "film_seed_1", "hierarchical", "hierarchical_seed_1", "cross_attention", "late")
+    main_runs = (
+        "film",
+        "film_seed_1",
+        "hierarchical",
+        "hierarchical_seed_1",
+        "hierarchical_seed_2",
+        "cross_attention",
+        "late",
+    )
     main_runs += tuple(n for n in RUNS if n.startswith("hierarchical_4_epochs"))
     main_runs += ("image_only", "text_only", *OTHER_RECIPES, "question_only_ceiling")
     vqa = [rows[n] for n in main_runs if n in rows and "eval_accuracy_relational" in rows[n]]
