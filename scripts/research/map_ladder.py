@@ -10,7 +10,9 @@ The candidates, each one change from the library's map before the tower's read w
 last fusion layer's attention, summed over the window): the window's side; the attention squared; the colour word's
 attention instead of the mean over the question; the positive or negative part of input x gradient; and per tower
 stage after the stem, |read . dlogit/dread| (where that stage's read of the question moves the answer), its read's
-attention on the colour word, and either as a further weight. Prints the table and stores it under `--name` in
+attention on the colour word, and either as a further weight. The left / top questions' figures are also given split
+by the true answer (yes / no): a model that answers "yes" unless it finds the object on the other side has no evidence
+on the object for its "yes". Prints the table and stores it under `--name` in
 `--output` (scripts/research/results/map_ladder.json), beside the models measured before.
 """
 
@@ -124,7 +126,8 @@ def main(argv=None) -> dict:
     test, boxes = held_out_questions(recipe_dataset_options(), args.images)
     keep = [i for i, family in enumerate(test["question_family"]) if family in NON_RELATIONAL]
     test, boxes = test.select(keep), boxes[keep]
-    pointed, families = {}, []
+    pointed, families, answers = {}, [], []
+    answer_names = test.features["answer"].names
     for start in range(0, len(test), 64):
         rows = test[start : start + 64]
         maps, (height, width) = batch_maps(model, processor, rows)
@@ -133,15 +136,23 @@ def main(argv=None) -> dict:
         for name, batch in maps.items():
             pointed.setdefault(name, []).append(peak_inside(batch[:, None], box, (height, width))[:, 0].numpy())
         families += rows["question_family"]
-    families = np.array(families)
+        answers += [answer_names[answer] for answer in rows["answer"]]
+    families, answers = np.array(families), np.array(answers)
     table = {}
     for name, parts in pointed.items():
         hits = np.concatenate(parts)
         table[name] = {"non_relational": round(float(hits.mean()), 4)}
         table[name] |= {family: round(float(hits[families == family].mean()), 4) for family in NON_RELATIONAL}
-    print(f"{'map':78s} non-rel.  shape  left   top")
+        for family, answer in ((f, a) for f in ("horizontal", "vertical") for a in ("yes", "no")):
+            chosen = (families == family) & (answers == answer)
+            table[name][f"{family} ({answer})"] = round(float(hits[chosen].mean()), 4) if chosen.any() else None
+    split = [f"{f} ({a})" for f in ("horizontal", "vertical") for a in ("yes", "no")]
+    print(f"{'map':78s} non-rel.  shape  left   top    left yes / no  top yes / no")
     for name, entry in table.items():
-        figures = "  ".join(f"{entry[key]:.3f}" for key in ("non_relational", *NON_RELATIONAL))
+        figures = "  ".join(
+            "  -  " if entry[key] is None else f"{entry[key]:.3f}"
+            for key in ("non_relational", *NON_RELATIONAL, *split)
+        )
         print(f"{name:78s} {figures}")
     report = {
         "model": args.model,

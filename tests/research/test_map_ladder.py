@@ -32,9 +32,14 @@ def test_the_ladder_scores_every_candidate_and_its_stage_1_map_is_the_librarys(t
     assert stored["tiny"]["maps"] == report["maps"] and "another model" in stored  # stored beside the others
     stages = [name for name in report["maps"] if name.startswith("stage ")]
     assert len(stages) == 5 * 2  # five candidates for each of the tiny tower's two reading stages
+    split = {f"{family} ({answer})" for family in ("horizontal", "vertical") for answer in ("yes", "no")}
     for entry in report["maps"].values():
-        assert set(entry) == {"non_relational", *map_ladder.NON_RELATIONAL}
-        assert all(0.0 <= value <= 1.0 for value in entry.values())
+        assert set(entry) == {"non_relational", *map_ladder.NON_RELATIONAL, *split}
+        assert all(value is None or 0.0 <= value <= 1.0 for value in entry.values())
+        for family in ("horizontal", "vertical"):  # a family's figure is the mean of its yes and no questions'
+            parts = [entry[f"{family} ({answer})"] for answer in ("yes", "no")]
+            parts = [part for part in parts if part is not None]
+            assert parts and min(parts) - 1e-4 <= entry[family] <= max(parts) + 1e-4
 
     model, processor = map_ladder.load(str(tmp_path))
     for parameter in model.parameters():
