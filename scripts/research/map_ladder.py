@@ -12,7 +12,8 @@ attention instead of the mean over the question; the positive or negative part o
 stage after the stem, |read . dlogit/dread| (where that stage's read of the question moves the answer), its read's
 attention on the colour word, and either as a further weight. The left / top questions' figures are also given split
 by the true answer (yes / no): a model that answers "yes" unless it finds the object on the other side has no evidence
-on the object for its "yes". Prints the table and stores it under `--name` in
+on the object for its "yes". With `--path_alphas`, input x gradient also with the gradient taken on the scene faded
+toward its median colour (`path_maps`). Prints the table and stores it under `--name` in
 `--output` (scripts/research/results/map_ladder.json), beside the models measured before.
 """
 
@@ -110,11 +111,56 @@ def batch_maps(model, processor, rows) -> tuple[dict[str, torch.Tensor], tuple[i
     return maps, size
 
 
+def path_maps(model, processor, rows, alphas: list[float]) -> dict[str, torch.Tensor]:
+    """Input x gradient with the gradient taken on the scene faded toward its median colour (`reference + a (x -
+    reference)`, one backward pass per `a`), per `a` and averaged over them (integrated gradients over those points of
+    the path): whether the answer's gradient at the image itself is saturated where the evidence lies. Each alone and
+    times the last fusion layer's attention, summed over the window as the library's map."""
+    batch = processor(images=rows["image"], text=rows["question"])
+    size = tuple(batch["pixel_values"].shape[-2:])
+    window = smoothing_window(size)
+    pixels = model.mm_fusion.vision_encoder.normalize_pixels(batch["pixel_values"]).detach()
+    reference = median_colours(pixels)[..., None, None]
+    attention_record = []
+    handles = _capture_attention(model, attention_record)
+    try:
+        with torch.no_grad():
+            chosen = model(**batch).logits.argmax(-1, keepdim=True)
+    finally:
+        for handle in handles:
+            handle.remove()
+    leading, height, width = _grid(attention_record[-1].shape[-1])
+    attention = _text_mean(attention_record[-1], batch["attention_mask"])[:, leading:].reshape(-1, height, width)
+    attention = upsample(attention, size)
+    maps, total = {}, torch.zeros_like(pixels)
+    for alpha in alphas:
+        faded = (reference + alpha * (pixels - reference)).requires_grad_(True)
+        with torch.enable_grad():
+            logits = model(**{**batch, "pixel_values": faded}).logits
+            (gradient,) = torch.autograd.grad(logits.gather(1, chosen).sum(), faded)
+        total += gradient / len(alphas)
+        evidence = ((pixels - reference) * gradient).sum(1).abs()
+        maps[f"input x gradient at {alpha:g}"] = _box_mean(evidence, window)
+        maps[f"input x gradient at {alpha:g} x attention"] = _box_mean(evidence * attention, window)
+    if len(alphas) > 1:
+        evidence = ((pixels - reference) * total).sum(1).abs()
+        points = ",".join(f"{alpha:g}" for alpha in alphas)
+        maps[f"input x gradient averaged over {points}"] = _box_mean(evidence, window)
+        maps[f"input x gradient averaged over {points} x attention"] = _box_mean(evidence * attention, window)
+    return maps
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True, help="A Sort-of-CLEVR model whose tower reads the question.")
     parser.add_argument("--images", type=int, default=100, help="Held-out images (6 non-relational questions each).")
     parser.add_argument("--name", default=None, help="Store the table under this name (default: the model's folder).")
+    parser.add_argument(
+        "--path_alphas",
+        default=None,
+        help="Comma-separated points a of the path from the median colour to the image (1 is the image) at which "
+        "input x gradient is also taken, each alone and averaged over them (one backward pass per point).",
+    )
     default = str(ROOT / "scripts/research/results/map_ladder.json")
     parser.add_argument("--output", default=default, help="The JSON file it is stored in.")
     args = parser.parse_args(argv)
@@ -131,6 +177,8 @@ def main(argv=None) -> dict:
     for start in range(0, len(test), 64):
         rows = test[start : start + 64]
         maps, (height, width) = batch_maps(model, processor, rows)
+        if args.path_alphas:
+            maps |= path_maps(model, processor, rows, [float(a) for a in args.path_alphas.split(",")])
         scale = torch.tensor([width, height] * 2) / torch.tensor([rows["image"][0].width, rows["image"][0].height] * 2)
         box = (boxes[start : start + 64].float() * scale).round().long()
         for name, batch in maps.items():

@@ -25,11 +25,14 @@ def test_the_ladder_scores_every_candidate_and_its_stage_1_map_is_the_librarys(t
 
     output = tmp_path / "ladder.json"
     output.write_text(json.dumps({"another model": {"maps": {}}}))
-    report = map_ladder.main(["--model", str(tmp_path), "--images", "3", "--output", str(output), "--name", "tiny"])
+    argv = ["--model", str(tmp_path), "--images", "3", "--output", str(output), "--name", "tiny"]
+    report = map_ladder.main([*argv, "--path_alphas", "0.5,1"])
     non_relational = [f for f in test["question_family"] if f in map_ladder.NON_RELATIONAL]
     assert report["questions"] == len(non_relational) > 0
     stored = json.loads(output.read_text())
     assert stored["tiny"]["maps"] == report["maps"] and "another model" in stored  # stored beside the others
+    faded = {"input x gradient at 0.5", "input x gradient averaged over 0.5,1", "input x gradient at 1"}
+    assert faded | {f"{name} x attention" for name in faded} <= set(report["maps"])
     stages = [name for name in report["maps"] if name.startswith("stage ")]
     assert len(stages) == 5 * 2  # five candidates for each of the tiny tower's two reading stages
     split = {f"{family} ({answer})" for family in ("horizontal", "vertical") for answer in ("yes", "no")}
@@ -49,3 +52,7 @@ def test_the_ladder_scores_every_candidate_and_its_stage_1_map_is_the_librarys(t
     library = model.image_maps(**processor(images=rows["image"], text=rows["question"])).maps[:, 0]
     ours = maps["stage 1: ... x |read . gradient|"]
     torch.testing.assert_close(ours / ours.sum((-1, -2), keepdim=True), library)
+    # the path's end point is the image itself: its gradient is the ladder's input x gradient
+    faded = map_ladder.path_maps(model, processor, rows, [1.0, 0.5])
+    torch.testing.assert_close(faded["input x gradient at 1"], maps["input x gradient"])
+    assert not torch.allclose(faded["input x gradient at 0.5"], maps["input x gradient"])
