@@ -13,7 +13,8 @@ stage after the stem, |read . dlogit/dread| (where that stage's read of the ques
 attention on the colour word, and either as a further weight. The left / top questions' figures are also given split
 by the true answer (yes / no): a model that answers "yes" unless it finds the object on the other side has no evidence
 on the object for its "yes". With `--path_alphas`, input x gradient also with the gradient taken on the scene faded
-toward its median colour (`path_maps`). Prints the table and stores it under `--name` in
+toward its median colour (`path_maps`); with `--heads`, per head of the last fusion layer its attention and its value
+path, and all heads' key and value paths (`head_maps`). Prints the table and stores it under `--name` in
 `--output` (scripts/research/results/map_ladder.json), beside the models measured before.
 """
 
@@ -150,6 +151,70 @@ def path_maps(model, processor, rows, alphas: list[float]) -> dict[str, torch.Te
     return maps
 
 
+def head_maps(model, processor, rows) -> dict[str, torch.Tensor]:
+    """Per head of the last fusion layer's cross-attention (the question's words reading the image's tokens): its
+    attention averaged over the question, its colour word's attention, and where its value path carries the answer,
+    `|v_j . dlogit/dv_j|` per image token `j` (the first-order change of the answer were token `j`'s value taken away
+    from that head; `sum_i A_ij (v_j . g_i)` with `g_i` the gradient at query `i`'s output); the same for all heads at
+    once and for the key path (`|k_j . dlogit/dk_j|`, where the attention's choice moves the answer), each alone and
+    times input x gradient, summed over the window as the library's map."""
+    block = model.mm_fusion.encoder.layers[-1].text_block.cross_attn
+    batch = processor(images=rows["image"], text=rows["question"])
+    size = tuple(batch["pixel_values"].shape[-2:])
+    window = smoothing_window(size)
+    pixels = model.mm_fusion.vision_encoder.normalize_pixels(batch["pixel_values"]).detach()
+    reference = median_colours(pixels)[..., None, None]
+    pixels.requires_grad_(True)
+    attention_record, projected = [], {}
+    handles = _capture_attention(model, attention_record)
+    for name in ("k_proj", "v_proj"):
+        handles.append(
+            getattr(block, name).register_forward_hook(lambda m, a, out, name=name: projected.__setitem__(name, out))
+        )
+    try:
+        with torch.enable_grad():
+            logits = model(**{**batch, "pixel_values": pixels}).logits
+            score = logits.gather(1, logits.argmax(-1, keepdim=True)).sum()
+            gradients = torch.autograd.grad(score, [pixels, projected["k_proj"], projected["v_proj"]])
+    finally:
+        for handle in handles:
+            handle.remove()
+    count = len(pixels)
+    if projected["v_proj"].shape[0] != count:
+        raise ValueError("head_maps needs one image per question (no shared image encodings).")
+    pixel_evidence = ((pixels.detach() - reference) * gradients[0]).sum(1).abs()
+    probabilities = attention_record[-1]
+    heads = probabilities.shape[1]
+    leading, height, width = _grid(probabilities.shape[-1])
+    colour = colour_word_positions(processor.tokenizer, rows["question"])
+
+    def image(tokens: torch.Tensor) -> torch.Tensor:  # (B, S) over the context -> (B, H, W) at the image's size
+        return upsample(tokens[:, leading:].reshape(-1, height, width), size)
+
+    per_head = {}
+    for path, output, gradient in (
+        ("key", projected["k_proj"], gradients[1]),
+        ("value", projected["v_proj"], gradients[2]),
+    ):
+        product = (output.detach() * gradient).reshape(count, -1, heads, block.head_dim).sum(-1)  # (B, S, heads)
+        per_head[path] = product
+    maps = {}
+    mask = batch["attention_mask"]
+    for h in range(heads):
+        one = probabilities[:, h : h + 1]
+        maps[f"head {h}: attention (question mean)"] = image(_text_mean(one, mask))
+        maps[f"head {h}: the colour word's attention"] = image(one[torch.arange(count), 0, colour])
+        maps[f"head {h}: |value . gradient|"] = image(per_head["value"][..., h].abs())
+        maps[f"head {h}: input x gradient x |value . gradient|"] = _box_mean(
+            pixel_evidence * maps[f"head {h}: |value . gradient|"], window
+        )
+    for path in ("key", "value"):
+        moved = image(per_head[path].sum(-1).abs())
+        maps[f"all heads: |{path} . gradient|"] = moved
+        maps[f"all heads: input x gradient x |{path} . gradient|"] = _box_mean(pixel_evidence * moved, window)
+    return maps
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True, help="A Sort-of-CLEVR model whose tower reads the question.")
@@ -160,6 +225,12 @@ def main(argv=None) -> dict:
         default=None,
         help="Comma-separated points a of the path from the median colour to the image (1 is the image) at which "
         "input x gradient is also taken, each alone and averaged over them (one backward pass per point).",
+    )
+    parser.add_argument(
+        "--heads",
+        action="store_true",
+        help="Also the last fusion layer's maps per head: its attention, its value path (|v . gradient|), and the key "
+        "and value paths of all heads at once.",
     )
     default = str(ROOT / "scripts/research/results/map_ladder.json")
     parser.add_argument("--output", default=default, help="The JSON file it is stored in.")
@@ -179,6 +250,8 @@ def main(argv=None) -> dict:
         maps, (height, width) = batch_maps(model, processor, rows)
         if args.path_alphas:
             maps |= path_maps(model, processor, rows, [float(a) for a in args.path_alphas.split(",")])
+        if args.heads:
+            maps |= head_maps(model, processor, rows)
         scale = torch.tensor([width, height] * 2) / torch.tensor([rows["image"][0].width, rows["image"][0].height] * 2)
         box = (boxes[start : start + 64].float() * scale).round().long()
         for name, batch in maps.items():

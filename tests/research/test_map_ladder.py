@@ -26,13 +26,16 @@ def test_the_ladder_scores_every_candidate_and_its_stage_1_map_is_the_librarys(t
     output = tmp_path / "ladder.json"
     output.write_text(json.dumps({"another model": {"maps": {}}}))
     argv = ["--model", str(tmp_path), "--images", "3", "--output", str(output), "--name", "tiny"]
-    report = map_ladder.main([*argv, "--path_alphas", "0.5,1"])
+    report = map_ladder.main([*argv, "--path_alphas", "0.5,1", "--heads"])
     non_relational = [f for f in test["question_family"] if f in map_ladder.NON_RELATIONAL]
     assert report["questions"] == len(non_relational) > 0
     stored = json.loads(output.read_text())
     assert stored["tiny"]["maps"] == report["maps"] and "another model" in stored  # stored beside the others
     faded = {"input x gradient at 0.5", "input x gradient averaged over 0.5,1", "input x gradient at 1"}
     assert faded | {f"{name} x attention" for name in faded} <= set(report["maps"])
+    heads = config.fusion_num_attention_heads
+    assert sum(name.startswith("head ") for name in report["maps"]) == 4 * heads  # four candidates a head
+    assert {f"all heads: |{path} . gradient|" for path in ("key", "value")} <= set(report["maps"])
     stages = [name for name in report["maps"] if name.startswith("stage ")]
     assert len(stages) == 5 * 2  # five candidates for each of the tiny tower's two reading stages
     split = {f"{family} ({answer})" for family in ("horizontal", "vertical") for answer in ("yes", "no")}
@@ -56,3 +59,10 @@ def test_the_ladder_scores_every_candidate_and_its_stage_1_map_is_the_librarys(t
     faded = map_ladder.path_maps(model, processor, rows, [1.0, 0.5])
     torch.testing.assert_close(faded["input x gradient at 1"], maps["input x gradient"])
     assert not torch.allclose(faded["input x gradient at 0.5"], maps["input x gradient"])
+    # the heads' attention, averaged, is the library's attention map of the last fusion layer
+    per_head = map_ladder.head_maps(model, processor, rows)
+    mean = torch.stack([per_head[f"head {h}: attention (question mean)"] for h in range(heads)]).mean(0)
+    attention = model.image_maps(**processor(images=rows["image"], text=rows["question"]), method="attention")
+    torch.testing.assert_close(mean, map_ladder.upsample(attention.maps[:, -1], mean.shape[-2:]))
+    value = per_head["all heads: |value . gradient|"]
+    assert value.shape == mean.shape and value.sum() > 0
