@@ -52,14 +52,19 @@ from mm_fusion.image_maps import (  # noqa: E402
 from mm_fusion.map_scoring import peak_inside  # noqa: E402
 
 
+def prepared(model, processor, rows):
+    """One batch of questions as the maps read it: the processor's batch, the image size, the smoothing window, the
+    normalised pixels (detached) and each image's median colour `(N, 3, 1, 1)`."""
+    batch = processor(images=rows["image"], text=rows["question"])
+    size = tuple(batch["pixel_values"].shape[-2:])
+    pixels = model.mm_fusion.vision_encoder.normalize_pixels(batch["pixel_values"]).detach()
+    return batch, size, smoothing_window(size), pixels, median_colours(pixels)[..., None, None]
+
+
 def batch_maps(model, processor, rows) -> tuple[dict[str, torch.Tensor], tuple[int, int]]:
     """Every candidate map `(N, H, W)` of one batch of questions."""
     reads = model.mm_fusion.vision_encoder.vision_text_attention
-    batch = processor(images=rows["image"], text=rows["question"])
-    size = tuple(batch["pixel_values"].shape[-2:])
-    window = smoothing_window(size)
-    pixels = model.mm_fusion.vision_encoder.normalize_pixels(batch["pixel_values"]).detach()
-    reference = median_colours(pixels)[..., None, None]
+    batch, size, window, pixels, reference = prepared(model, processor, rows)
     pixels.requires_grad_(True)
     attention_record = []
     handles = _capture_attention(model, attention_record)
@@ -117,11 +122,7 @@ def path_maps(model, processor, rows, alphas: list[float]) -> dict[str, torch.Te
     reference)`, one backward pass per `a`), per `a` and averaged over them (integrated gradients over those points of
     the path): whether the answer's gradient at the image itself is saturated where the evidence lies. Each alone and
     times the last fusion layer's attention, summed over the window as the library's map."""
-    batch = processor(images=rows["image"], text=rows["question"])
-    size = tuple(batch["pixel_values"].shape[-2:])
-    window = smoothing_window(size)
-    pixels = model.mm_fusion.vision_encoder.normalize_pixels(batch["pixel_values"]).detach()
-    reference = median_colours(pixels)[..., None, None]
+    batch, size, window, pixels, reference = prepared(model, processor, rows)
     attention_record = []
     handles = _capture_attention(model, attention_record)
     try:
@@ -159,11 +160,7 @@ def head_maps(model, processor, rows) -> dict[str, torch.Tensor]:
     once and for the key path (`|k_j . dlogit/dk_j|`, where the attention's choice moves the answer), each alone and
     times input x gradient, summed over the window as the library's map."""
     block = model.mm_fusion.encoder.layers[-1].text_block.cross_attn
-    batch = processor(images=rows["image"], text=rows["question"])
-    size = tuple(batch["pixel_values"].shape[-2:])
-    window = smoothing_window(size)
-    pixels = model.mm_fusion.vision_encoder.normalize_pixels(batch["pixel_values"]).detach()
-    reference = median_colours(pixels)[..., None, None]
+    batch, size, window, pixels, reference = prepared(model, processor, rows)
     pixels.requires_grad_(True)
     attention_record, projected = [], {}
     handles = _capture_attention(model, attention_record)
