@@ -691,6 +691,31 @@ def map_ladder(data: dict) -> str:
     )
 
 
+def map_ladder_heads(data: dict) -> str:
+    names = ("seed_0", "seed_1", "seed_2", "seed_0_8_epochs", "seed_1_8_epochs")
+
+    def best(maps: dict) -> dict:
+        heads = [maps[key] for key in maps if key.startswith("head ") and "input x gradient" in key]
+        return max(heads, key=lambda entry: entry["non_relational"])
+
+    picked = [best(data[name]["maps"]) for name in names]
+    return (
+        "the best head's value path x input x gradient, non-relational / left / top: "
+        + "; ".join(f"{f(e['non_relational'])} / {f(e['horizontal'])} / {f(e['vertical'])}" for e in picked)
+        + " (4 epochs seeds 0 / 1 / 2; 8 epochs seeds 0 / 1)"
+    )
+
+
+def map_trajectory(data: dict) -> str:
+    key = "stage 1: ... x |read . gradient|"
+    chosen = [c for c in data["checkpoints"].values() if c["epoch"] in (1.5, 2.0, 4.0, 8.0)]
+    return "the default map on left / top, and the left / top accuracy, at epochs " + "; ".join(
+        f"{c['epoch']:g}: {f(c['maps'][key]['horizontal'])} / {f(c['maps'][key]['vertical'])} "
+        f"({f(c['accuracy']['horizontal'])} / {f(c['accuracy']['vertical'])})"
+        for c in chosen
+    )
+
+
 def pointing_easy_vqa(data: dict) -> str:
     maps = data["easy_vqa_default_seed_42"]["by_method"]
     default, attention = maps["guided_gradient"], maps["attention"]
@@ -1128,6 +1153,21 @@ SECTIONS: list[tuple[str, list[Row]]] = [
                 "research/results/map_ladder.json",
                 map_ladder,
                 keyed_entries("seed_0", "seed_1", "seed_2"),
+            ),
+            Row(
+                "Sort-of-CLEVR, the fusion layer per head on the five models of the recipe, 600 questions each",
+                "research/results/map_ladder.json",
+                map_ladder_heads,
+                lambda d: [
+                    {"command": e["heads_command"], "date": e["heads_date"], "machine": e["machine"]}
+                    for e in keyed_entries("seed_0", "seed_1", "seed_2", "seed_0_8_epochs", "seed_1_8_epochs")(d)
+                ],
+            ),
+            Row(
+                "Sort-of-CLEVR, seed 0 of the 8-epoch recipe along its run, a checkpoint every half epoch, 300 "
+                "questions each",
+                "research/results/map_ladder_trajectory.json",
+                map_trajectory,
             ),
             Row(
                 "easy-VQA, the default run's model (seed 42), 9,673 test questions",
