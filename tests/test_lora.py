@@ -14,6 +14,7 @@ from helpers.training import TINY
 from PIL import Image
 from safetensors import safe_open
 from transformers import AutoModelForVisualQuestionAnswering, AutoProcessor, pipeline
+from transformers.modeling_layers import GradientCheckpointingLayer
 
 from mm_fusion.lora import lora_config, merge_lora, starting_model
 from mm_fusion.lora import main as lora_main
@@ -73,9 +74,22 @@ def test_only_adapters_heads_and_batchnorm_train(lora_run):
     assert config["r"] == 4 and "classifier" in config["modules_to_save"]
 
 
+def checkpointed(model) -> list[bool]:
+    """Whether each of the model's layers recomputes its activations in the backward."""
+    return [bool(m.gradient_checkpointing) for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+
+
 def test_lora_trains_with_activation_checkpointing_unless_told_not_to(lora_run, tmp_path, allocator_requests):
     trainer, _ = lora_run
     assert trainer.args.activation_checkpointing and trainer.model.get_base_model().is_gradient_checkpointing
+    # every second layer as it comes (of the text tower's and the fusion block's), every one when told
+    assert trainer.args.activation_checkpointing_kwargs == {"every_n_layers": 2}
+    assert checkpointed(trainer.model) == [True, False]
+    flags = [*LORA_RUN, "--activation_checkpointing_kwargs", '{"every_n_layers": 1}', "--max_train_samples", "16"]
+    trainer = setup_run(["--output_dir", str(tmp_path / "every"), *flags])
+    trainer.train()
+    assert trainer.args.activation_checkpointing_kwargs == {"every_n_layers": 1}
+    assert checkpointed(trainer.model) == [True, True]
     flags = [*LORA_RUN, "--lora_gradient_checkpointing", "False", "--max_train_samples", "16"]
     requests = len(allocator_requests)
     trainer = setup_run(["--output_dir", str(tmp_path / "out"), *flags])

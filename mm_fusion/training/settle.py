@@ -2,6 +2,7 @@
 arguments ([`arguments`]) and the model they are checked against ([`models`])."""
 
 from .arguments import (
+    LORA_CHECKPOINT_EVERY_N_LAYERS,
     LORA_LEARNING_RATE,
     MAIN_METRICS,
     DataArguments,
@@ -57,6 +58,10 @@ def settle_arguments(
         # Trainer reads `activation_checkpointing` (transformers 5.x; `gradient_checkpointing` is its deprecated alias,
         # resolved once when the arguments are made, so setting the alias now would do nothing).
         training_args.activation_checkpointing = training_args.gradient_checkpointing = True
+        # Every second layer: the memory target of LoRA at half the recomputation (the user's choice wins).
+        kwargs = dict(training_args.activation_checkpointing_kwargs or {})
+        kwargs.setdefault("every_n_layers", LORA_CHECKPOINT_EVERY_N_LAYERS)
+        training_args.activation_checkpointing_kwargs = training_args.gradient_checkpointing_kwargs = kwargs
     training_args.resume_from_checkpoint = resolve_resume_checkpoint(
         training_args.resume_from_checkpoint, training_args.output_dir
     )

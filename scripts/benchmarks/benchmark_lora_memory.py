@@ -13,7 +13,9 @@ Recipes: `full` (every weight trains), `lora` (`--lora --lora_gradient_checkpoin
 of both towers, the fusion block and the head trained fully), `lora_qv` (the same with adapters on the attention's
 query and value only, `--lora_target_modules query,value,q_proj,v_proj`: what `--lora_target_modules query_value`
 adapts in these towers), and each again with gradient checkpointing (`+ckpt`: `--activation_checkpointing True`; for
-LoRA `--lora` as it comes, which turns it on).
+LoRA `--lora` as it comes, which turns it on for every second layer); `+ckpt/N` checkpoints every N-th layer
+(`--activation_checkpointing_kwargs '{"every_n_layers": N}'`), and `RECIPE@glibc` / `RECIPE@mmap` runs a recipe under
+one allocator only.
 
 Reported per recipe: the parameters (trainable of all), the process's peak RSS and its growth over the built model,
 the ratio of the peak to `full`'s under the same allocator, seconds per optimizer step, and what held memory: the
@@ -22,11 +24,14 @@ two states of what trains, and the tensors one training forward saves for the ba
 kind of layer that saved them.
 
     python scripts/benchmarks/benchmark_lora_memory.py  # ~10 min on 2 cores
+    python scripts/benchmarks/benchmark_lora_memory.py --steps 6 \
+        --recipes full@glibc lora+ckpt@mmap lora+ckpt/1@mmap lora_qv+ckpt@mmap  # as_they_come's lines, ~13 min
 
 Writes scripts/benchmarks/results/lora_memory.{json,md} and prints the Markdown table.
 """
 
 import collections
+import json
 import os
 import shutil
 import statistics
@@ -47,14 +52,20 @@ from benchmarking import (
     write_report,
 )
 from transformers import HfArgumentParser, TrainerCallback
+from transformers.modeling_layers import GradientCheckpointingLayer
 
 
 RECIPES = ("full", "lora", "full+ckpt", "lora+ckpt", "lora_qv", "lora_qv+ckpt")
+# `RECIPE+ckpt/N`: checkpointing on every N-th layer only (Trainer's `activation_checkpointing_kwargs`
+# `every_n_layers`, counted over the towers' and the fusion block's layers together), the others keeping their
+# activations. A recipe ending in `@glibc` or `@mmap` runs under that allocator only (else under each of
+# `--allocators`).
 # The layers `lora_qv` adapts (`--lora_target_modules`): the attention's query and value (BERT's names, then
 # transformers 5's ViT's), what `--lora_target_modules query_value` adapts in these towers.
 QV = "query,value,q_proj,v_proj"
 # Each allocator's --release_freed_memory (mm_fusion.training.launch.release_freed_memory).
 ALLOCATORS = {"glibc": "False", "glibc, mmap over 64 KiB": "True"}
+SHORT_ALLOCATOR_NAMES = {"glibc": "glibc", "mmap": "glibc, mmap over 64 KiB"}
 
 
 @dataclass
@@ -149,7 +160,7 @@ def run_trial(payload: dict) -> dict:
     """One recipe, in this fresh process."""
     from mm_fusion.training import setup_run
 
-    recipe = payload["recipe"]
+    recipe, _, every = payload["recipe"].partition("/")
     argv = ["--output_dir", payload["out"], "--image_size", str(payload["image_size"])]
     argv += [
         "--vision_model_name_or_path",
@@ -171,6 +182,8 @@ def run_trial(payload: dict) -> dict:
         argv += ["--freeze_text_model", "False"]
         if recipe.endswith("+ckpt"):
             argv += ["--activation_checkpointing", "True"]
+    if every:
+        argv += ["--activation_checkpointing_kwargs", json.dumps({"every_n_layers": int(every)})]
     trainer = setup_run(argv)
     steps = StepTimes()
     trainer.add_callback(steps)
@@ -186,9 +199,11 @@ def run_trial(payload: dict) -> dict:
     adapted = [n for n, _ in model.named_modules() if n.endswith(".lora_A")]  # one per adapted layer
     batch = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
     saved, by_kind = saved_for_backward(model, batch)
+    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
     return {
-        "recipe": recipe,
+        "recipe": payload["recipe"],
         "command": "scripts/train.py " + " ".join(argv[2:]),
+        "checkpointed_layers": f"{sum(bool(m.gradient_checkpointing) for m in layers)} of {len(layers)}",
         "torch_threads": torch.get_num_threads(),
         "gradient_checkpointing": trainer.args.activation_checkpointing,
         "release_freed_memory": trainer.args.release_freed_memory,
@@ -213,7 +228,13 @@ def run_trial(payload: dict) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     (args,) = HfArgumentParser(LoraMemoryArguments).parse_args_into_dataclasses(args=argv)
-    check_choices(args.recipes, RECIPES, "recipes")
+    runs = []  # (allocator, recipe)
+    for entry in args.recipes:
+        recipe, _, only = entry.partition("@")
+        if only and only not in SHORT_ALLOCATOR_NAMES:
+            raise ValueError(f"{entry}: the allocator after @ is one of {', '.join(SHORT_ALLOCATOR_NAMES)}.")
+        runs += [(a, recipe) for a in args.allocators if not only or a == SHORT_ALLOCATOR_NAMES[only]]
+    check_choices([recipe.split("/")[0] for _, recipe in runs], RECIPES, "recipes")
     check_choices(args.allocators, ALLOCATORS, "allocators")
     info, start = machine(), time.perf_counter()
     work = tempfile.mkdtemp(prefix="mm_fusion_lora_memory_")
@@ -221,19 +242,18 @@ def main(argv: list[str] | None = None) -> dict:
     try:
         vision, text = make_towers(args, work)
         cache = os.path.join(work, "datasets_cache")
-        for allocator in args.allocators:
-            for recipe in args.recipes:
-                payload = asdict(args) | {
-                    "recipe": recipe,
-                    "allocator": allocator,
-                    "vision_tower": vision,
-                    "text_tower": text,
-                    "out": tempfile.mkdtemp(dir=work),
-                }
-                result = run_in_new_interpreter("benchmark_lora_memory:run_trial", payload, datasets_cache=cache)
-                result["allocator"] = allocator
-                trials.append(result)
-                print(f"{allocator}, {recipe}: peak {result['peak_memory_mib']:.0f} MiB", flush=True)
+        for allocator, recipe in sorted(runs, key=lambda run: list(ALLOCATORS).index(run[0])):
+            payload = asdict(args) | {
+                "recipe": recipe,
+                "allocator": allocator,
+                "vision_tower": vision,
+                "text_tower": text,
+                "out": tempfile.mkdtemp(dir=work),
+            }
+            result = run_in_new_interpreter("benchmark_lora_memory:run_trial", payload, datasets_cache=cache)
+            result["allocator"] = allocator
+            trials.append(result)
+            print(f"{allocator}, {recipe}: peak {result['peak_memory_mib']:.0f} MiB", flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     table = markdown(trials, args, info)
@@ -250,14 +270,14 @@ def markdown(trials: list[dict], args, info: dict) -> str:
         ratio = f"{t['peak_memory_mib'] / full[t['allocator']]:.2f}" if t["allocator"] in full else "–"
         top = ", ".join(f"{k} {v:.0f}" for k, v in list(t["saved_by_layer_kind_mib"].items())[:4])
         rows.append(
-            [t["allocator"], t["recipe"], t["pixels_per_batch"][0],
+            [t["allocator"], t["recipe"], t.get("checkpointed_layers", "–"), t["pixels_per_batch"][0],
              f"{t['trainable_parameters'] / 1e6:.1f}M of {t['parameters'] / 1e6:.1f}M",
              f"{t['peak_memory_mib']:.0f}", ratio, f"{t['peak_growth_mib']:.0f}", f"{t['seconds_per_step']:.1f}",
              f"{t['weights_mib']:.0f} ({t['peft_original_copies'] / 1e6:.1f}M in peft's originals)",
              f"{t['gradients_and_optimizer_mib']:.0f}", f"{t['saved_for_backward_mib']:.0f}: {top}"]
         )  # fmt: skip
-    header = ["allocator", "recipe", "images in a batch", "trainable of all parameters", "peak RSS MiB",
-              "peak / full's",
+    header = ["allocator", "recipe", "layers checkpointed", "images in a batch", "trainable of all parameters",
+              "peak RSS MiB", "peak / full's",
               "peak growth in training MiB", "s / step", "weights MiB", "gradients + AdamW states MiB",
               "saved for backward MiB: largest by layer kind"]  # fmt: skip
     return (
@@ -271,24 +291,27 @@ def markdown(trials: list[dict], args, info: dict) -> str:
 
 
 def as_they_come(trials: list[dict]) -> str:
-    """The lines a user's comparison gives: `--lora` as it comes (checkpointing, freed memory given back), adapters on
-    every Linear (the default) and on query / value, against full fine-tuning as it comes (neither): memory and step
-    time."""
-    by = {(t["allocator"], t["recipe"]): t for t in trials}
-    full = by.get(("glibc", "full"))
+    """The lines a user's comparison gives: `--lora` with checkpointing and freed memory given back (as it comes, or
+    checkpointing every N-th layer: `+ckpt/N`), adapters on every Linear (the default) or on query / value, against
+    full fine-tuning as it comes (neither): memory and step time."""
+    full = next((t for t in trials if (t["allocator"], t["recipe"]) == ("glibc", "full")), None)
     lines = []
-    qv = ("lora_qv+ckpt", f"the attention's query and value (`--lora_target_modules {QV}`)")
-    for recipe, what in (("lora+ckpt", "every Linear of the towers (the default)"), qv):
-        lora = by.get(("glibc, mmap over 64 KiB", recipe))
-        if lora is None or full is None:
+    for lora in trials:
+        recipe, _, every = lora["recipe"].partition("/")
+        released = lora["allocator"] == "glibc, mmap over 64 KiB"
+        if full is None or not released or recipe not in ("lora+ckpt", "lora_qv+ckpt"):
             continue
+        what = "every Linear of the towers (the default)"
+        if recipe == "lora_qv+ckpt":
+            what = f"the attention's query and value (`--lora_target_modules {QV}`)"
+        how = f"every_n_layers {every}" if every else "as it comes"
         memory = lora["peak_memory_mib"] / full["peak_memory_mib"]
         time = lora["seconds_per_step"] / full["seconds_per_step"]
         lines.append(
-            f"`--lora` as it comes (checkpointing on, freed memory given back), adapters on {what}, against full "
-            f"fine-tuning as it comes: {lora['peak_memory_mib']:.0f} / {full['peak_memory_mib']:.0f} MiB = "
-            f"**{memory:.2f}x** the memory, {lora['seconds_per_step']:.1f} / {full['seconds_per_step']:.1f} s a step "
-            f"= **{time:.2f}x** the time."
+            f"`--lora` ({how}: {lora['checkpointed_layers']} layers checkpointed, freed memory given back), adapters "
+            f"on {what}, against full fine-tuning as it comes: {lora['peak_memory_mib']:.0f} / "
+            f"{full['peak_memory_mib']:.0f} MiB = **{memory:.2f}x** the memory, {lora['seconds_per_step']:.1f} / "
+            f"{full['seconds_per_step']:.1f} s a step = **{time:.2f}x** the time."
         )
     return "".join("\n" + line + "\n" for line in lines)
 

@@ -509,11 +509,18 @@ def lora_memory(data: dict) -> str:
         return peak(released, recipe) / full, step(released, recipe) / step("glibc", "full")
 
     memory, slow = against_full("lora+ckpt")
+    checkpointed = by_key(data["trials"], allocator=released, recipe="lora+ckpt").get("checkpointed_layers")
     text = (
-        f"--lora as it comes {n(peak(released, 'lora+ckpt'))} MiB against full fine-tuning as it comes {n(full)}: "
+        f"--lora as it comes{f' ({checkpointed} layers checkpointed)' if checkpointed else ''} "
+        f"{n(peak(released, 'lora+ckpt'))} MiB against full fine-tuning as it comes {n(full)}: "
         f"{f(memory, 2)} (target <= 0.6: {verdict(memory <= 0.6)}); a step {step(released, 'lora+ckpt'):.1f} s "
         f"against {step('glibc', 'full'):.1f} s: {f(slow, 2)} (target <= 1.2: {verdict(slow <= 1.2)})"
     )
+    for again in data.get("repeats", []):  # the same pair run again, each a fresh pair of processes
+        text += f"; run again: memory {f(again['memory_ratio'], 2)}, a step {f(again['step_ratio'], 2)}"
+    if any(t["recipe"] == "lora+ckpt/1" for t in data["trials"]):
+        memory, slow = against_full("lora+ckpt/1")
+        text += f"; checkpointing every layer instead: memory {f(memory, 2)}, a step {f(slow, 2)}"
     if any(t["recipe"] == "lora_qv+ckpt" for t in data["trials"]):
         memory, slow = against_full("lora_qv+ckpt")
         text += (

@@ -37,12 +37,21 @@ def test_tiny_run_compares_recipes_under_both_allocators(tmp_path):
     output = tmp_path / "lora_memory"
     argv = ["--hidden_size", "32", "--num_hidden_layers", "2", "--num_attention_heads", "2", "--intermediate_size",
             "64", "--image_size", "32", "--patch_size", "16", "--batch_size", "4", "--steps", "1",
-            "--recipes", "full", "lora+ckpt", "lora_qv+ckpt", "--output", str(output)]  # fmt: skip
+            "--recipes", "full", "lora+ckpt", "lora_qv+ckpt", "lora+ckpt/1@mmap", "--output", str(output)]  # fmt: skip
     benchmark_lora_memory.main(argv)
     report = json.loads(output.with_suffix(".json").read_text())
     trials = {(t["allocator"], t["recipe"]): t for t in report["trials"]}
     recipes = ("full", "lora+ckpt", "lora_qv+ckpt")
+    released = "glibc, mmap over 64 KiB"
+    every_layer = trials.pop((released, "lora+ckpt/1"))  # one allocator only (@mmap)
     assert set(trials) == {(a, r) for a in benchmark_lora_memory.ALLOCATORS for r in recipes}
+    # --lora checkpoints every second layer as it comes (of the towers' 4 layers, the fusion block's and peft's copy of
+    # it, which trains fully); every_n_layers 1, every one
+    assert '--activation_checkpointing_kwargs {"every_n_layers": 1}' in every_layer["command"]
+    assert every_layer["checkpointed_layers"] == "6 of 6"
+    assert trials[released, "lora+ckpt"]["checkpointed_layers"] == "3 of 6"
+    assert every_layer["saved_for_backward_mib"] < trials[released, "lora+ckpt"]["saved_for_backward_mib"]
+    assert every_layer["saved_for_backward_mib"] < trials[released, "full"]["saved_for_backward_mib"] / 2
     for (allocator, recipe), t in trials.items():
         lora = recipe.startswith("lora")
         assert ("--lora" in t["command"].split()) == lora
@@ -55,7 +64,7 @@ def test_tiny_run_compares_recipes_under_both_allocators(tmp_path):
         assert t["gradients_and_optimizer_mib"] == pytest.approx(12 * t["trainable_parameters"] / 2**20, abs=0.1)
     for allocator in benchmark_lora_memory.ALLOCATORS:  # checkpointing took effect: fewer activations kept
         full, lora = (trials[allocator, r]["saved_for_backward_mib"] for r in ("full", "lora+ckpt"))
-        assert lora < full / 2
+        assert lora < full
         # adapters on query / value only: fewer trainable parameters than on every Linear, named in the command
         every, qv = (trials[allocator, r] for r in ("lora+ckpt", "lora_qv+ckpt"))
         assert qv["trainable_parameters"] < every["trainable_parameters"]
