@@ -1036,6 +1036,13 @@ SECTIONS: list[tuple[str, list[Row]]] = [
                 also=["benchmarks/results/lora_query_value.md"],
             ),
             Row(
+                "the same at `--learning_rate 2e-3` (the fewer adapters at twice --lora's rate), every second layer "
+                "checkpointed, 1,800 s each",
+                "benchmarks/results/lora_query_value_lr2e-3.json",
+                lora,
+                also=["benchmarks/results/lora_query_value_lr2e-3.md"],
+            ),
+            Row(
                 "LoRA at `--learning_rate 1e-3`, the same run",
                 "benchmarks/results/lora_lr1e-3.json",
                 lora_lr,
