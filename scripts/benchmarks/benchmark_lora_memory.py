@@ -64,8 +64,9 @@ RECIPES = ("full", "lora", "full+ckpt", "lora+ckpt", "lora_qv", "lora_qv+ckpt")
 # transformers 5's ViT's), what `--lora_target_modules query_value` adapts in these towers.
 QV = "query,value,q_proj,v_proj"
 # Each allocator's --release_freed_memory (mm_fusion.training.launch.release_freed_memory).
-ALLOCATORS = {"glibc": "False", "glibc, mmap over 64 KiB": "True"}
-SHORT_ALLOCATOR_NAMES = {"glibc": "glibc", "mmap": "glibc, mmap over 64 KiB"}
+RELEASED = "glibc, mmap over 64 KiB"
+ALLOCATORS = {"glibc": "False", RELEASED: "True"}
+SHORT_ALLOCATOR_NAMES = {"glibc": "glibc", "mmap": RELEASED}
 
 
 @dataclass
@@ -228,13 +229,11 @@ def run_trial(payload: dict) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     (args,) = HfArgumentParser(LoraMemoryArguments).parse_args_into_dataclasses(args=argv)
-    runs = []  # (allocator, recipe)
-    for entry in args.recipes:
-        recipe, _, only = entry.partition("@")
+    entries = [entry.partition("@")[::2] for entry in args.recipes]  # (recipe, allocator's short name or "")
+    for recipe, only in entries:
         if only and only not in SHORT_ALLOCATOR_NAMES:
-            raise ValueError(f"{entry}: the allocator after @ is one of {', '.join(SHORT_ALLOCATOR_NAMES)}.")
-        runs += [(a, recipe) for a in args.allocators if not only or a == SHORT_ALLOCATOR_NAMES[only]]
-    check_choices([recipe.split("/")[0] for _, recipe in runs], RECIPES, "recipes")
+            raise ValueError(f"{recipe}@{only}: the allocator after @ is one of {', '.join(SHORT_ALLOCATOR_NAMES)}.")
+    check_choices([recipe.split("/")[0] for recipe, _ in entries], RECIPES, "recipes")
     check_choices(args.allocators, ALLOCATORS, "allocators")
     info, start = machine(), time.perf_counter()
     work = tempfile.mkdtemp(prefix="mm_fusion_lora_memory_")
@@ -242,7 +241,8 @@ def main(argv: list[str] | None = None) -> dict:
     try:
         vision, text = make_towers(args, work)
         cache = os.path.join(work, "datasets_cache")
-        for allocator, recipe in sorted(runs, key=lambda run: list(ALLOCATORS).index(run[0])):
+        runs = [(a, r) for a in args.allocators for r, only in entries if not only or SHORT_ALLOCATOR_NAMES[only] == a]
+        for allocator, recipe in runs:
             payload = asdict(args) | {
                 "recipe": recipe,
                 "allocator": allocator,
@@ -270,7 +270,7 @@ def markdown(trials: list[dict], args, info: dict) -> str:
         ratio = f"{t['peak_memory_mib'] / full[t['allocator']]:.2f}" if t["allocator"] in full else "–"
         top = ", ".join(f"{k} {v:.0f}" for k, v in list(t["saved_by_layer_kind_mib"].items())[:4])
         rows.append(
-            [t["allocator"], t["recipe"], t.get("checkpointed_layers", "–"), t["pixels_per_batch"][0],
+            [t["allocator"], t["recipe"], t["checkpointed_layers"], t["pixels_per_batch"][0],
              f"{t['trainable_parameters'] / 1e6:.1f}M of {t['parameters'] / 1e6:.1f}M",
              f"{t['peak_memory_mib']:.0f}", ratio, f"{t['peak_growth_mib']:.0f}", f"{t['seconds_per_step']:.1f}",
              f"{t['weights_mib']:.0f} ({t['peft_original_copies'] / 1e6:.1f}M in peft's originals)",
@@ -298,8 +298,7 @@ def as_they_come(trials: list[dict]) -> str:
     lines = []
     for lora in trials:
         recipe, _, every = lora["recipe"].partition("/")
-        released = lora["allocator"] == "glibc, mmap over 64 KiB"
-        if full is None or not released or recipe not in ("lora+ckpt", "lora_qv+ckpt"):
+        if full is None or lora["allocator"] != RELEASED or recipe not in ("lora+ckpt", "lora_qv+ckpt"):
             continue
         what = "every Linear of the towers (the default)"
         if recipe == "lora_qv+ckpt":
