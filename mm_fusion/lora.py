@@ -4,21 +4,23 @@ LoRA adapters for MMFusion models, with peft (`pip install -e ".[lora]"`).
 `scripts/train.py --lora` trains low-rank adapters on the parts named in `--lora_parts` and keeps every other weight
 of the model it starts from frozen:
 
-- `vision`: a LoRA adapter on every `nn.Linear` and every ungrouped `nn.Conv2d` of the vision tower (its depthwise
-  convolutions stay frozen, and all of them in a MobileNet with `tf_padding`, whose forward reads attributes peft's
-  wrapper hides). Its BatchNorm layers train fully: their running statistics follow the new images (a few
-  numbers per channel), and in the frozen model they would drift unsaved.
-- `text`: a LoRA adapter on every `nn.Linear` of the text tower (BERT / MiniLM: `query`, `key`, `value`, `dense`).
-- `fusion`: a LoRA adapter on every `nn.Linear` of the fusion block (`q_proj`, `k_proj`, `v_proj`, `out_proj`, the
-  MLPs, the bridges).
+- `vision`: LoRA adapters on the vision tower: on the attention's query and value of a transformer tower (ViT, CLIP),
+  on every `nn.Linear` and every ungrouped `nn.Conv2d` of a convolutional one (its depthwise convolutions stay frozen,
+  and all of them in a MobileNet with `tf_padding`, whose forward reads attributes peft's wrapper hides). Its
+  BatchNorm layers train fully: their running statistics follow the new images (a few numbers per channel), and in the
+  frozen model they would drift unsaved.
+- `text`: LoRA adapters on the text tower's attention query and value (BERT / MiniLM: `query`, `value`).
+- `fusion`: LoRA adapters on the fusion block's attention query and value (`q_proj`, `v_proj`).
 
-`--lora_target_modules` adapts fewer: `query_value`, the attention's query and value where a part has them (as the
-LoRA paper, Hu et al. 2021, arXiv:2106.09685, and peft's defaults for these models do; every layer of a convolutional
-tower), or layers by their own name (`query,value` for BERT, `q_proj,v_proj` for transformers 5's ViT and the fusion
-block). At ViT-B/16 + BERT-base size, query and value only make a step of `--lora` 1.16x full fine-tuning's instead
-of 1.60x (0.41-0.42x its memory either way), but on the MobileNetV2 + MiniLM composition they learn less per step
-(easy-VQA 0.830 against 0.856 at step 400), so every layer stays the default
-(scripts/benchmarks/notes/pretrained_towers_and_lora.md).
+These are `--lora_target_modules query_value`, the default, as the LoRA paper (Hu et al. 2021, arXiv:2106.09685) and
+peft's defaults for these models do. `--lora_target_modules all` adapts every layer LoRA can adapt (every `nn.Linear`
+and ungrouped `nn.Conv2d`: BERT's `key` and `dense` too, the fusion block's `k_proj`, `out_proj`, MLPs and bridges),
+and names adapt those layers (`query,value` for BERT, `q_proj,v_proj` for transformers 5's ViT and the fusion block).
+Fewer adapters learn less per step, so `--lora` trains query and value at 2e-3 and every layer at 1e-3 unless
+`--learning_rate` is given. At ViT-B/16 + BERT-base size a step adapting query and value took 0.94-1.05x full
+fine-tuning's over four runs, every layer 1.13-1.32x; on the MobileNetV2 + MiniLM easy-VQA composition query and value
+came within 0.005 of full fine-tuning's accuracy on seeds 42 and 1, every layer within 0.0035 on seed 42
+(scripts/benchmarks/RESULTS.md, `benchmark_lora.py`, `benchmark_lora_memory.py`).
 
 A tower left out of `--lora_parts` stays frozen. The fusion block left out of it trains fully, and so do the layers
 beside it (the contrastive `visual_projection` / `text_projection`, FiLM maps) and the heads (`classifier`,
@@ -32,10 +34,10 @@ the towers and the fusion block (Trainer's `activation_checkpointing_kwargs` `ev
 frozen towers keep as many activations for the backward as full fine-tuning does (each adapter's `lora_A` keeps its
 layer's input, the tensor a trained Linear keeps for its own gradient), so without it the adapters save only the
 optimizer states and gradients of the frozen weights. Checkpointing every layer saves more memory than LoRA needs for
-more time a step: at ViT-B/16 + BERT-base size, 0.43x full fine-tuning's peak memory at 1.41x its step time, against
-0.54-0.55x at 1.26-1.32x for every second layer. On a Linux CPU it also gives freed memory back to the system
-(`--release_freed_memory`), without which glibc keeps what each step frees and the process's peak stays near full
-fine-tuning's (scripts/benchmarks/RESULTS.md, `benchmark_lora_memory.py`).
+more time a step: at ViT-B/16 + BERT-base size with adapters on query and value, 0.41x full fine-tuning's peak memory
+at 1.14x its step time, against 0.49x at 0.94-1.05x for every second layer. On a Linux CPU it also gives freed
+memory back to the system (`--release_freed_memory`), without which glibc keeps what each step frees and the
+process's peak stays near full fine-tuning's (scripts/benchmarks/RESULTS.md, `benchmark_lora_memory.py`).
 
 A run's `--output_dir` holds the model it started from (`config.json`, `model.safetensors`, the processor and code)
 and the adapter beside it (`adapter_config.json`, `adapter_model.safetensors`): `from_pretrained` and `pipeline(...)`
@@ -118,13 +120,13 @@ def lora_config(
     r: int = 8,
     alpha: int = 16,
     dropout: float = 0.0,
-    modules: str | list[str] | None = None,
+    modules: str | list[str] | None = "query_value",
 ):
     """peft's `LoraConfig` for `model` (an MMFusion head): layers of `parts` as `target_modules`, and what trains fully
     (the heads, the fusion block unless adapted, the adapted towers' BatchNorm layers) as `modules_to_save`.
-    `modules` chooses the layers: by default (or `"all"`) every layer LoRA can adapt; `"query_value"` the attention's
-    query and value where a part has them ([`ATTENTION_QUERY_VALUE`]), every layer of a part without them; names, by
-    their own name (the last part of a layer's path), comma-separated, each part holding one of them."""
+    `modules` chooses the layers: by default `"query_value"`, the attention's query and value where a part has them
+    ([`ATTENTION_QUERY_VALUE`]), every layer of a part without them; `"all"` (or None) every layer LoRA can adapt;
+    names, by their own name (the last part of a layer's path), comma-separated, each part holding one of them."""
     from peft import LoraConfig
 
     parts = parse_parts(parts)
@@ -198,7 +200,7 @@ def add_lora(
     r: int = 8,
     alpha: int = 16,
     dropout: float = 0.0,
-    modules: str | list[str] | None = None,
+    modules: str | list[str] | None = "query_value",
 ):
     """`model` wrapped in a peft `PeftModel` with LoRA adapters on `parts` (`modules` of them when given;
     [`lora_config`]); only they, the heads and what trains fully require grad."""

@@ -152,13 +152,21 @@ def test_adapter_loads_with_remote_code_without_mm_fusion(lora_run, tmp_path):
 
 
 def test_lora_has_its_own_default_learning_rate():
-    """`--lora` without `--learning_rate` trains at LoRA's rate (1e-3, the rate that won for it); a rate given on the
-    command line is kept, and a run without `--lora` keeps the default."""
-    from mm_fusion.training.arguments import DEFAULT_LEARNING_RATE, LORA_LEARNING_RATE
+    """`--lora` without `--learning_rate` trains at LoRA's rate for its layers (2e-3 on query and value, the default;
+    1e-3 on every layer or layers named); a rate given on the command line is kept, and a run without `--lora` keeps
+    the default."""
+    from mm_fusion.training.arguments import (
+        DEFAULT_LEARNING_RATE,
+        LORA_ALL_LAYERS_LEARNING_RATE,
+        LORA_LEARNING_RATE,
+    )
 
-    assert LORA_LEARNING_RATE != DEFAULT_LEARNING_RATE
+    assert len({LORA_LEARNING_RATE, LORA_ALL_LAYERS_LEARNING_RATE, DEFAULT_LEARNING_RATE}) == 3
     _, _, lora = parse_arguments(["--output_dir", "x", "--lora", "True"])
     assert lora.learning_rate == LORA_LEARNING_RATE
+    for modules in ("all", "query,value"):
+        _, _, every = parse_arguments(["--output_dir", "x", "--lora", "--lora_target_modules", modules])
+        assert every.learning_rate == LORA_ALL_LAYERS_LEARNING_RATE
     _, _, given = parse_arguments(
         ["--output_dir", "x", "--lora", "True", "--learning_rate", str(DEFAULT_LEARNING_RATE)]
     )
@@ -282,9 +290,9 @@ def test_a_lora_run_resumed_from_its_checkpoint_ends_as_the_uninterrupted_run(tm
 
 
 def test_lora_target_modules_pick_the_layers_by_name(tester):
-    """By default (or `all`) every layer LoRA can adapt is adapted; `query_value` the attention's query and value where
-    a part has them (a ViT or BERT tower, the fusion block), every layer of a part without them (a convolutional
-    tower); names given adapt those, and a name no layer has, or a part none of whose layers has one, is refused."""
+    """By default (`query_value`) the attention's query and value are adapted where a part has them (a ViT or BERT
+    tower, the fusion block), every layer of a part without them (a convolutional tower); `all` every layer LoRA can
+    adapt; names given adapt those, and a name no layer has, or a part none of whose layers has one, is refused."""
     from mm_fusion import MMFusionForImageTextClassification
 
     model = MMFusionForImageTextClassification(tester.config("hierarchical"))
@@ -292,12 +300,13 @@ def test_lora_target_modules_pick_the_layers_by_name(tester):
     def own_names(targets, part):
         return {name.rsplit(".", 1)[-1] for name in targets if name.startswith(f"mm_fusion.{part}.")}
 
-    every = lora_config(model, "vision,text,fusion").target_modules
-    assert set(lora_config(model, "vision,text,fusion", modules="all").target_modules) == set(every)
+    every = lora_config(model, "vision,text,fusion", modules="all").target_modules
+    assert set(lora_config(model, "vision,text,fusion", modules=None).target_modules) == set(every)
     assert own_names(every, "text_model") == {"query", "value", "key", "dense"} and "k_proj" in own_names(
         every, "encoder"
     )
-    query_value = lora_config(model, "vision,text,fusion", modules="query_value").target_modules
+    query_value = lora_config(model, "vision,text,fusion").target_modules  # the default
+    assert set(lora_config(model, "vision,text,fusion", modules="query_value").target_modules) == set(query_value)
     assert own_names(query_value, "text_model") == {"query", "value"}
     assert (
         own_names(query_value, "encoder")
@@ -310,8 +319,8 @@ def test_lora_target_modules_pick_the_layers_by_name(tester):
     # A convolutional tower has no attention: query_value adapts every layer LoRA can adapt there.
     convolutional = tester.config("late", vision_config=tester.mobilenet_config(tf_padding=False))
     convolutional = MMFusionForImageTextClassification(convolutional)
-    vision = lora_config(convolutional, "vision").target_modules
-    assert vision and set(vision) == set(lora_config(convolutional, "vision", modules="query_value").target_modules)
+    vision = lora_config(convolutional, "vision", modules="all").target_modules
+    assert vision and set(vision) == set(lora_config(convolutional, "vision").target_modules)
     chosen = lora_config(model, "text", modules="query, value").target_modules
     assert set(chosen) == {n for n in query_value if n.startswith("mm_fusion.text_model.")}
     with pytest.raises(ValueError, match=r"--lora_target_modules query,qv: no Linear or Conv2d layer named qv in "):
@@ -319,5 +328,7 @@ def test_lora_target_modules_pick_the_layers_by_name(tester):
     # A part none of whose layers has one of the names would train nothing: refused, with the names it has.
     with pytest.raises(ValueError, match=r"the vision part \(--lora_parts\) has no layer of these names; its"):
         lora_config(model, "vision,text", modules="query,value")
-    model_args, _, _ = parse_arguments(["--output_dir", "x", "--lora", "--lora_target_modules", "query_value"])
+    model_args, _, _ = parse_arguments(["--output_dir", "x", "--lora"])
     assert model_args.lora_target_modules == "query_value"
+    model_args, _, _ = parse_arguments(["--output_dir", "x", "--lora", "--lora_target_modules", "all"])
+    assert model_args.lora_target_modules == "all"

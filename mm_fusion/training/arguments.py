@@ -27,8 +27,13 @@ MAIN_METRICS = {"vqa": "accuracy", "classify": "accuracy", "pretrain": "mean_rec
 ABLATIONS = ("none", "image_only", "text_only")
 AUGMENTATIONS = ("none", "photo", "flips")
 DEFAULT_LEARNING_RATE = 5e-4
-# The rate that won for LoRA on the composition (scripts/benchmarks/results/lora_composition.md).
-LORA_LEARNING_RATE = 1e-3
+# --lora's adapted layers when --lora_target_modules is not given.
+LORA_TARGET_MODULES = "query_value"
+# --lora's learning rate when --learning_rate is not given, by --lora_target_modules: the rates that came within 0.01
+# of full fine-tuning on the MobileNetV2 + MiniLM composition (scripts/benchmarks/results/lora*.md); fewer adapted
+# layers learn less per step and take a higher rate.
+LORA_LEARNING_RATE = 2e-3
+LORA_ALL_LAYERS_LEARNING_RATE = 1e-3
 # --lora's checkpointing: every N-th layer recomputes its activations in the backward (Trainer's
 # `activation_checkpointing_kwargs` `every_n_layers`), the others keep theirs.
 LORA_CHECKPOINT_EVERY_N_LAYERS = 2
@@ -208,16 +213,15 @@ class ModelArguments:
         default="vision,text",
         metadata={"help": "--lora: the parts given adapters, comma-separated: vision, text, fusion."},
     )
-    lora_target_modules: str | None = field(
-        default=None,
+    lora_target_modules: str = field(
+        default=LORA_TARGET_MODULES,
         metadata={
-            "help": "--lora: the layers of --lora_parts adapted. Default (or all): every Linear and ungrouped Conv2d "
-            "layer. query_value: the attention's query and value where a part has them (as peft does for these "
-            "models), every layer of a convolutional tower: at ViT-B/16 + BERT-base size a step takes 0.98x full "
-            "fine-tuning's instead of 1.26-1.32x; it learns less per step than every layer, and at --learning_rate "
-            "2e-3 came within 0.005 of full fine-tuning on the MobileNetV2 + MiniLM composition, one seed "
-            "(scripts/benchmarks/RESULTS.md). Or names, comma-separated (the last part of a layer's path), each part "
-            "holding one of them: query,value for a BERT tower, q_proj,v_proj for a ViT tower and the fusion block."
+            "help": "--lora: the layers of --lora_parts adapted. Default: query_value, the attention's query and "
+            "value where a part has them (as peft does for these models), every layer of a convolutional tower. all: "
+            "every Linear and ungrouped Conv2d layer, which learns more per step but at ViT-B/16 + BERT-base size "
+            "made a step 1.13-1.32x full fine-tuning's against 0.94-1.05x (scripts/benchmarks/RESULTS.md). Or "
+            "names, comma-separated (the last part of a layer's path), each part holding one of them: query,value for "
+            "a BERT tower, q_proj,v_proj for a ViT tower and the fusion block."
         },
     )
     lora_r: int = field(default=8, metadata={"help": "--lora: the adapters' rank."})
@@ -230,8 +234,9 @@ class ModelArguments:
             "block (their activations recomputed in the backward instead of kept; --activation_checkpointing_kwargs "
             "'{\"every_n_layers\": 1}' checkpoints every layer). The frozen towers keep as many activations as full "
             "fine-tuning does, so without it LoRA saves only the optimizer states and gradients of the frozen "
-            "weights. At ViT-B/16 + BERT-base size every second layer took LoRA's peak memory to 0.54-0.55x full "
-            "fine-tuning's at 1.26-1.32x its step time; every layer, 0.43x at 1.41x "
+            "weights. At ViT-B/16 + BERT-base size, adapters on query and value (the default), every second layer "
+            "took LoRA's peak memory to 0.49x full fine-tuning's at 0.94-1.05x its step time over four runs, every "
+            "layer to 0.41x at 1.14x; adapters on every layer, every second layer, 0.54-0.55x at 1.13-1.32x "
             "(scripts/benchmarks/results/lora_memory.md). False: faster steps, more memory."
         },
     )
@@ -418,10 +423,10 @@ class MMFusionTrainingArguments(TrainingArguments):
     learning_rate: float | None = field(
         default=None,
         metadata={
-            "help": f"Peak AdamW learning rate. Default: {DEFAULT_LEARNING_RATE:g}; {LORA_LEARNING_RATE:g} with "
-            "--lora: on the Fashion-MNIST composition, 260 steps, one seed, LoRA reached 0.876 / 0.885 / 0.805 at "
-            "3e-4 / 1e-3 / 3e-3 and full fine-tuning 0.904 / 0.905 / 0.889 at "
-            "3e-4 / 5e-4 / 1e-3 (scripts/benchmarks/results/lora_composition.md)."
+            "help": f"Peak AdamW learning rate. Default: {DEFAULT_LEARNING_RATE:g}; with --lora "
+            f"{LORA_LEARNING_RATE:g} ({LORA_ALL_LAYERS_LEARNING_RATE:g} with --lora_target_modules other than "
+            "query_value): the rates at which LoRA came within 0.01 of full fine-tuning on the MobileNetV2 + MiniLM "
+            "easy-VQA composition (scripts/benchmarks/RESULTS.md, benchmark_lora.py)."
         },
     )
     weight_decay: float = field(default=0.01, metadata={"help": "AdamW weight decay."})

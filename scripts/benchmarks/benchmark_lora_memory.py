@@ -9,11 +9,11 @@ malloc as it comes (`--release_freed_memory False`), and with `--release_freed_m
 fixes glibc's mmap threshold at 64 KiB: every block over that size is a mapping of its own, given back when freed, so
 the process's RSS follows the tensors alive (the analogue of a GPU's `max_memory_allocated`; as it comes, glibc keeps
 freed blocks in its heaps and the RSS also holds what they left).
-Recipes: `full` (every weight trains), `lora` (`--lora --lora_gradient_checkpointing False`: adapters on every Linear
-of both towers, the fusion block and the head trained fully), `lora_qv` (the same with adapters on the attention's
-query and value only, `--lora_target_modules query,value,q_proj,v_proj`: what `--lora_target_modules query_value`
-adapts in these towers), and each again with gradient checkpointing (`+ckpt`: `--activation_checkpointing True`; for
-LoRA `--lora` as it comes, which turns it on for every second layer); `+ckpt/N` checkpoints every N-th layer
+Recipes: `full` (every weight trains), `lora` (`--lora --lora_target_modules all --lora_gradient_checkpointing False`:
+adapters on every Linear of both towers, the fusion block and the head trained fully), `lora_qv` (the same with
+adapters on the attention's query and value only, `--lora_target_modules query_value`, `--lora`'s default), and each
+again with gradient checkpointing (`+ckpt`: `--activation_checkpointing True`; for LoRA `--lora`'s own, which turns it
+on for every second layer); `+ckpt/N` checkpoints every N-th layer
 (`--activation_checkpointing_kwargs '{"every_n_layers": N}'`), and `RECIPE@glibc` / `RECIPE@mmap` runs a recipe under
 one allocator only.
 
@@ -60,9 +60,9 @@ RECIPES = ("full", "lora", "full+ckpt", "lora+ckpt", "lora_qv", "lora_qv+ckpt")
 # `every_n_layers`, counted over the towers' and the fusion block's layers together), the others keeping their
 # activations. A recipe ending in `@glibc` or `@mmap` runs under that allocator only (else under each of
 # `--allocators`).
-# The layers `lora_qv` adapts (`--lora_target_modules`): the attention's query and value (BERT's names, then
-# transformers 5's ViT's), what `--lora_target_modules query_value` adapts in these towers.
-QV = "query,value,q_proj,v_proj"
+# The layers each LoRA recipe adapts (`--lora_target_modules`): every Linear, or the attention's query and value
+# (`--lora`'s default).
+EVERY_LAYER, QV = "all", "query_value"
 # Each allocator's --release_freed_memory (mm_fusion.training.launch.release_freed_memory).
 RELEASED = "glibc, mmap over 64 KiB"
 ALLOCATORS = {"glibc": "False", RELEASED: "True"}
@@ -177,8 +177,7 @@ def run_trial(payload: dict) -> dict:
     argv += ["--release_freed_memory", ALLOCATORS[payload["allocator"]]]
     if recipe.startswith("lora"):  # --lora turns checkpointing on by default (--lora_gradient_checkpointing)
         argv += ["--lora"] if recipe.endswith("+ckpt") else ["--lora", "--lora_gradient_checkpointing", "False"]
-        if recipe.startswith("lora_qv"):
-            argv += ["--lora_target_modules", QV]
+        argv += ["--lora_target_modules", QV if recipe.startswith("lora_qv") else EVERY_LAYER]
     else:  # full fine-tuning trains the text tower too (a pretrained one is frozen by default)
         argv += ["--freeze_text_model", "False"]
         if recipe.endswith("+ckpt"):
@@ -292,7 +291,7 @@ def markdown(trials: list[dict], args, info: dict) -> str:
 
 def as_they_come(trials: list[dict]) -> str:
     """The lines a user's comparison gives: `--lora` with checkpointing and freed memory given back (as it comes, or
-    checkpointing every N-th layer: `+ckpt/N`), adapters on every Linear (the default) or on query / value, against
+    checkpointing every N-th layer: `+ckpt/N`), adapters on query / value (the default) or on every Linear, against
     full fine-tuning as it comes (neither): memory and step time."""
     full = next((t for t in trials if (t["allocator"], t["recipe"]) == ("glibc", "full")), None)
     lines = []
@@ -300,9 +299,9 @@ def as_they_come(trials: list[dict]) -> str:
         recipe, _, every = lora["recipe"].partition("/")
         if full is None or lora["allocator"] != RELEASED or recipe not in ("lora+ckpt", "lora_qv+ckpt"):
             continue
-        what = "every Linear of the towers (the default)"
+        what = f"every Linear of the towers (`--lora_target_modules {EVERY_LAYER}`)"
         if recipe == "lora_qv+ckpt":
-            what = f"the attention's query and value (`--lora_target_modules {QV}`)"
+            what = f"the attention's query and value (`--lora_target_modules {QV}`, the default)"
         how = f"every_n_layers {every}" if every else "as it comes"
         memory = lora["peak_memory_mib"] / full["peak_memory_mib"]
         time = lora["seconds_per_step"] / full["seconds_per_step"]

@@ -68,8 +68,8 @@ def test_tiny_run_compares_recipes_under_both_allocators(tmp_path):
         # adapters on query / value only: fewer trainable parameters than on every Linear, named in the command
         every, qv = (trials[allocator, r] for r in ("lora+ckpt", "lora_qv+ckpt"))
         assert qv["trainable_parameters"] < every["trainable_parameters"]
-        assert f"--lora_target_modules {benchmark_lora_memory.QV}" in qv["command"]
-        assert "--lora_target_modules" not in every["command"]
+        assert "--lora_target_modules query_value" in qv["command"]
+        assert "--lora_target_modules all" in every["command"]
         for tower in ("vision_model", "text_model"):  # both towers adapted, at fewer layers
             assert 0 < qv["adapted_layers"][tower] < every["adapted_layers"][tower]
     # The report's lines that are not in the JSON: the ratios a user's comparison gives.
