@@ -168,9 +168,10 @@ def fresh_clone(name: str) -> Callable[[dict], str]:
     def runs(data: dict) -> str:
         entry = by_key(data["figures"], name=name)
         slowest = max(r["wall_seconds"] for r in entry["runs"])
-        return "; ".join(
-            f"seed {r['seed']}: {f(r['test_accuracy'], 4)} in {r['wall_seconds']} s" for r in entry["runs"]
-        ) + f" (target <= 300 s on every seed: {verdict(slowest <= 300)})"
+        return (
+            "; ".join(f"seed {r['seed']}: {f(r['test_accuracy'], 4)} in {r['wall_seconds']} s" for r in entry["runs"])
+            + f" (target <= 300 s on every seed: {verdict(slowest <= 300)})"
+        )
 
     return runs
 
