@@ -89,7 +89,7 @@ def build_trainer(
             task,
             model.config.fusion_type,
             sum(p.numel() for p in model.parameters()) / 1e6,
-            f"{len(train_pairs)} pairs / {len(prepared.images)} images"
+            f"{len(train_pairs)} pairs ({len(prepared.images)} images in all splits)"
             if not data.path.streaming
             else f"streamed from {len(data.datasets['train'].shards)} shards",
             len(eval_pairs) if eval_pairs is not None else 0,
