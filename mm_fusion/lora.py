@@ -102,6 +102,8 @@ def _adaptable(module: nn.Module) -> bool:
 # names, then those of transformers 5's ViT / CLIP and of the fusion block), as the LoRA paper did and as peft's
 # defaults for these models do. A part without them (a convolutional tower) has every layer LoRA can adapt adapted.
 ATTENTION_QUERY_VALUE = ("query", "value", "q_proj", "v_proj")
+# The name of that choice, and the default of `lora_config` / `add_lora` and `--lora_target_modules`.
+QUERY_VALUE = "query_value"
 
 
 def parse_modules(modules: str | list[str] | None) -> set[str] | str | None:
@@ -111,7 +113,7 @@ def parse_modules(modules: str | list[str] | None) -> set[str] | str | None:
     names = {m for m in names if m}
     if not names or names == {"all"}:
         return None
-    return "query_value" if names == {"query_value"} else names
+    return QUERY_VALUE if names == {QUERY_VALUE} else names
 
 
 def lora_config(
@@ -120,7 +122,7 @@ def lora_config(
     r: int = 8,
     alpha: int = 16,
     dropout: float = 0.0,
-    modules: str | list[str] | None = "query_value",
+    modules: str | list[str] | None = QUERY_VALUE,
 ):
     """peft's `LoraConfig` for `model` (an MMFusion head): layers of `parts` as `target_modules`, and what trains fully
     (the heads, the fusion block unless adapted, the adapted towers' BatchNorm layers) as `modules_to_save`.
@@ -131,7 +133,7 @@ def lora_config(
 
     parts = parse_parts(parts)
     wanted, found = parse_modules(modules), set()
-    query_value = wanted == "query_value"
+    query_value = wanted == QUERY_VALUE
     if query_value:
         wanted = set(ATTENTION_QUERY_VALUE)
     prefix = model.base_model_prefix
@@ -200,7 +202,7 @@ def add_lora(
     r: int = 8,
     alpha: int = 16,
     dropout: float = 0.0,
-    modules: str | list[str] | None = "query_value",
+    modules: str | list[str] | None = QUERY_VALUE,
 ):
     """`model` wrapped in a peft `PeftModel` with LoRA adapters on `parts` (`modules` of them when given;
     [`lora_config`]); only they, the heads and what trains fully require grad."""

@@ -16,6 +16,7 @@ import torch
 from transformers import TrainingArguments
 
 from ..cli import ScriptArgumentParser
+from ..lora import QUERY_VALUE
 from .callbacks import progress_bars_shown
 from .model_presets import DEFAULT_PRESET, load_model_preset, preset_names
 
@@ -27,8 +28,6 @@ MAIN_METRICS = {"vqa": "accuracy", "classify": "accuracy", "pretrain": "mean_rec
 ABLATIONS = ("none", "image_only", "text_only")
 AUGMENTATIONS = ("none", "photo", "flips")
 DEFAULT_LEARNING_RATE = 5e-4
-# --lora's adapted layers when --lora_target_modules is not given.
-LORA_TARGET_MODULES = "query_value"
 # --lora's learning rate when --learning_rate is not given, by --lora_target_modules: the rates that came within 0.01
 # of full fine-tuning on the MobileNetV2 + MiniLM composition (scripts/benchmarks/results/lora*.md); fewer adapted
 # layers learn less per step and take a higher rate.
@@ -214,7 +213,7 @@ class ModelArguments:
         metadata={"help": "--lora: the parts given adapters, comma-separated: vision, text, fusion."},
     )
     lora_target_modules: str = field(
-        default=LORA_TARGET_MODULES,
+        default=QUERY_VALUE,
         metadata={
             "help": "--lora: the layers of --lora_parts adapted. Default: query_value, the attention's query and "
             "value where a part has them (as peft does for these models), every layer of a convolutional tower. all: "

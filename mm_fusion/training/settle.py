@@ -1,7 +1,7 @@
 """`scripts/train.py`'s step 1 after parsing: the rules across the three groups of arguments, settled above both the
 arguments ([`arguments`]) and the model they are checked against ([`models`])."""
 
-from ..lora import parse_modules
+from ..lora import QUERY_VALUE, parse_modules
 from .arguments import (
     LORA_ALL_LAYERS_LEARNING_RATE,
     LORA_CHECKPOINT_EVERY_N_LAYERS,
@@ -54,7 +54,7 @@ def settle_arguments(
         check_streaming(model_args, data_args, training_args)
     if model_args.lora and training_args.learning_rate_is_default:
         # Adapters on query and value only learn less per step than on every layer: a higher rate.
-        query_value = parse_modules(model_args.lora_target_modules) == "query_value"
+        query_value = parse_modules(model_args.lora_target_modules) == QUERY_VALUE
         training_args.learning_rate = LORA_LEARNING_RATE if query_value else LORA_ALL_LAYERS_LEARNING_RATE
     if training_args.release_freed_memory is None:
         training_args.release_freed_memory = model_args.lora
