@@ -80,7 +80,7 @@ RUNS = {
 DESCRIPTIONS = {
     "default": "no arguments: a ResNet tower (stages of 24, 48, 96 channels, sine positions) whose stages read the "
     "question, one hierarchical text-to-image fusion layer reading its last stage, the questions in a random order, "
-    "peak learning rate 5e-4 with gradients clipped at norm 1, 3.5 epochs",
+    "peak learning rate 5e-4 with gradients clipped at norm 1, 3 epochs",
     "default_4_epochs": "the default for 4 epochs",
     "default_3_epochs": "the default for 3 epochs",
     "default_2_fusion_layers": "the default with two fusion layers (reading stages 2 and 3), 4 epochs",
