@@ -358,19 +358,24 @@ def eager_attention_forward(
     return attn_output, attn_weights
 
 
+def _values_vary(tensor: torch.Tensor) -> bool:
+    """Whether `tensor`'s values may decide the computation: not while tracing, compiling or exporting (the graph
+    must not depend on the data), nor on the meta device (shapes only: the FLOP count)."""
+    return not (
+        tensor.is_meta
+        or torch.jit.is_tracing()
+        or torch.compiler.is_compiling()
+        or torch.compiler.is_exporting()
+        or torch.onnx.is_in_onnx_export()
+    )
+
+
 def distinct_rows(*tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """For texts given as rows of `tensors` (input ids, mask, ...): `(rows, inverse)`, one row of each distinct text
     and, for every text, its distinct text's place in `rows`; `(None, None)` when every text is distinct, for a single
     text, and while tracing or exporting (the number of distinct texts depends on the data)."""
     tensors = [t for t in tensors if t is not None]
-    if (
-        tensors[0].shape[0] < 2
-        or tensors[0].is_meta  # shapes only (the FLOP count): no values to compare
-        or torch.jit.is_tracing()
-        or torch.compiler.is_compiling()
-        or torch.compiler.is_exporting()
-        or torch.onnx.is_in_onnx_export()
-    ):
+    if tensors[0].shape[0] < 2 or not _values_vary(tensors[0]):
         return None, None
     key = torch.cat([t.reshape(t.shape[0], -1).long() for t in tensors], dim=1)
     distinct, inverse = torch.unique(key, dim=0, return_inverse=True)
@@ -388,6 +393,124 @@ def index_rows(value, index: torch.Tensor):
     if isinstance(value, tuple):
         return tuple(index_rows(v, index) for v in value)
     return value
+
+
+class FrozenTextCache:
+    """
+    What a frozen text tower gave each text it encoded, kept across calls: a VQA or classification set asks the same
+    few questions of many images, so after its first batches a frozen tower (a pretrained one, which `scripts/train.py`
+    freezes) need not run again. Used only while the tower cannot change its answer: no parameter of it trains, it is
+    in eval mode (no dropout), and neither its attentions nor all its hidden states are asked for.
+
+    A text is keyed by its token ids, mask and token types as padded in its batch. The cache empties itself when any
+    of the tower's parameters is changed in place (`load_state_dict`, an optimizer), replaced or moved (`.to`), and
+    when autocast is turned on or off or to another type; it holds at most `max_bytes`, the least recently used
+    texts dropped first, and turns itself off for good once `probe` texts were looked up with fewer than half of
+    them found (texts that seldom repeat, as captions, where it would only cost memory). It keeps what the fusion
+    block reads: the last hidden state, the pooled output and the hidden states at the bridge layers.
+    """
+
+    def __init__(self, max_bytes: int = 256 * 2**20, probe: int = 4096):
+        self.max_bytes = max_bytes
+        self.probe = probe
+        self.entries: dict[bytes, tuple] = {}  # in order of last use
+        self.bytes = 0
+        self.signature = None
+        self.looked_up = self.found = 0
+        self.enabled = True
+        self.output_type = None
+        self.num_states = None
+
+    def clear(self):
+        self.entries.clear()
+        self.bytes = 0
+
+    def usable(self, tower: nn.Module, input_ids: torch.Tensor, every_state: bool) -> bool:
+        return (
+            self.enabled
+            and not every_state
+            and not tower.training
+            and not getattr(tower, "_is_replica", False)  # nn.DataParallel's copies would share one cache
+            and _values_vary(input_ids)
+            and not any(p.requires_grad for p in tower.parameters())
+        )
+
+    def encode(
+        self,
+        tower: nn.Module,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        token_type_ids: torch.Tensor | None,
+        layers: list[int],
+    ) -> tuple[ModelOutput, tuple[torch.Tensor | None, ...] | None]:
+        """The tower's output for every row (last hidden state, pooled output) and, when `layers` are asked for, its
+        hidden states with those layers filled in (`None` at the others); runs the tower on the texts not kept."""
+        device = input_ids.device.type
+        autocast = torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device)
+        signature = (autocast, *((p.data_ptr(), p._version) for p in tower.parameters()))
+        if signature != self.signature:
+            self.clear()
+            self.signature = signature
+        parts = [t for t in (input_ids, attention_mask, token_type_ids) if t is not None]
+        keys = [row.tobytes() for row in torch.cat([t.long() for t in parts], dim=1).cpu().numpy()]
+        first: dict[bytes, int] = {}  # each distinct text: its first row
+        for i, key in enumerate(keys):
+            first.setdefault(key, i)
+        missing = [key for key in first if key not in self.entries]
+        for key in first:  # the texts found move to the end, out of the eviction's way
+            if key in self.entries:
+                self.entries[key] = self.entries.pop(key)
+        if missing:
+            self._add(
+                tower, [first[key] for key in missing], missing, input_ids, attention_mask, token_type_ids, layers
+            )
+        while self.bytes > self.max_bytes and len(self.entries) > len(first):
+            self.bytes -= self._size(self.entries.pop(next(iter(self.entries))))
+        self.looked_up += len(first)
+        self.found += len(first) - len(missing)
+        kept = [self.entries[key] for key in first]
+        place = {key: j for j, key in enumerate(first)}
+        index = torch.tensor([place[key] for key in keys], device=input_ids.device)
+        last = torch.stack([entry[0] for entry in kept])[index]
+        pooled = torch.stack([entry[1] for entry in kept])[index] if kept[0][1] is not None else None
+        hidden = None
+        if layers:
+            hidden = [None] * self.num_states
+            for k, layer in enumerate(layers):
+                hidden[layer] = torch.stack([entry[2][k] for entry in kept])[index]
+            hidden = tuple(hidden)
+        if self.looked_up >= self.probe and self.found * 2 < self.looked_up:
+            self.enabled = False
+            self.clear()
+        return self.output_type(last_hidden_state=last, pooler_output=pooled), hidden
+
+    def _add(self, tower, rows, keys, input_ids, attention_mask, token_type_ids, layers):
+        rows = torch.tensor(rows, device=input_ids.device)
+        kwargs = {"token_type_ids": token_type_ids[rows]} if token_type_ids is not None else {}
+        with torch.no_grad():
+            out = tower(
+                input_ids=input_ids[rows],
+                attention_mask=attention_mask[rows] if attention_mask is not None else None,
+                output_hidden_states=bool(layers),
+                return_dict=True,
+                **kwargs,
+            )
+        self.output_type = type(out)
+        pooled = getattr(out, "pooler_output", None)
+        if layers:
+            self.num_states = len(out.hidden_states)
+        for j, key in enumerate(keys):
+            entry = (
+                out.last_hidden_state[j].clone(),
+                pooled[j].clone() if pooled is not None else None,
+                tuple(out.hidden_states[layer][j].clone() for layer in layers),
+            )
+            self.entries[key] = entry
+            self.bytes += self._size(entry)
+
+    @staticmethod
+    def _size(entry) -> int:
+        return sum(t.nbytes for t in (entry[0], entry[1], *entry[2]) if t is not None)
 
 
 class MMFusionAttention(nn.Module):
@@ -853,6 +976,7 @@ class MMFusionModel(MMFusionPreTrainedModel):
         self.vision_encoder = MMFusionVisionEncoder(config)
         self.text_model = build_tower_model(config.text_config)
         self.text_model.config = config.text_config  # shared, so that changes through either path are seen by both
+        self.text_cache = FrozenTextCache()
         self.is_late = config.fusion_type == "late"
         self.encoder = None if self.is_late else MMFusionEncoder(config)
         # image_pooling="flatten" concatenates every token, in order: their number, found once (on the meta device).
@@ -941,6 +1065,16 @@ class MMFusionModel(MMFusionPreTrainedModel):
         """Run the text tower: its output, and the text features the fusion block reads (one per bridge layer for
         `"hierarchical"`, else the last hidden state)."""
         hierarchical = self.config.fusion_type == "hierarchical"
+        layers = self.config.text_bridge_layers if hierarchical else []
+        if self.text_cache.usable(self.text_model, input_ids, output_attentions or output_hidden_states):
+            text_out, hidden_states = self.text_cache.encode(
+                self.text_model, input_ids, attention_mask, token_type_ids, [i for i in layers if i != WORDS]
+            )
+            if not hierarchical:
+                return text_out, [text_out.last_hidden_state]
+            words = self.text_model.get_input_embeddings()(input_ids) if WORDS in layers else None
+            read = type(text_out)(last_hidden_state=text_out.last_hidden_state, hidden_states=hidden_states)
+            return text_out, bridge_features(read, layers, words)
         # A tower in eval mode gives a text the same output in any batch: each distinct text is encoded once.
         rows, inverse = (
             distinct_rows(input_ids, attention_mask, token_type_ids) if not self.text_model.training else (None, None)
@@ -959,7 +1093,6 @@ class MMFusionModel(MMFusionPreTrainedModel):
             text_out = type(text_out)(**{key: index_rows(value, inverse) for key, value in text_out.items()})
         if not hierarchical:
             return text_out, [text_out.last_hidden_state]
-        layers = self.config.text_bridge_layers
         words = self.text_model.get_input_embeddings()(input_ids) if WORDS in layers else None
         return text_out, bridge_features(text_out, layers, words)
 

@@ -202,6 +202,90 @@ def test_repeated_texts_are_encoded_once_with_each_texts_own_outputs(tester, fus
         _assert_close({name: value[i : i + 1] for name, value in together.items()}, alone[i])
 
 
+def _frozen_text_model(tester, fusion_type: str, **kwargs):
+    """A classifier whose text tower is frozen (as `scripts/train.py` freezes a pretrained one), in training mode, with
+    a hook that records how many texts each call of the text tower encodes."""
+    model = MMFusionForImageTextClassification(_small_config(tester, fusion_type, **kwargs))
+    model.mm_fusion.text_model.requires_grad_(False)
+    model.train()
+    calls = []
+    model.mm_fusion.text_model.register_forward_hook(
+        lambda module, args, kwargs, output: calls.append(kwargs["input_ids"].shape[0]), with_kwargs=True
+    )
+    return model, calls
+
+
+@pytest.mark.parametrize("fusion_type", FUSION_TYPES)
+def test_frozen_text_tower_encodes_each_text_once_across_batches(tester, fusion_type):
+    """A frozen text tower keeps what it gave each text: a later batch runs it on its new texts only, and every batch's
+    logits and gradients equal those of the tower run on the whole batch."""
+    config_kwargs = {"text_bridge_layers": ["words", 2]} if fusion_type == "hierarchical" else {}
+    model, calls = _frozen_text_model(tester, fusion_type, **config_kwargs)
+    assert not model.mm_fusion.text_model.training  # a frozen tower stays in eval mode: no dropout
+    uncached = copy.deepcopy(model)
+    uncached.mm_fusion.text_cache.enabled = False
+    inputs = tester.inputs(batch_size=4)
+    ids, mask = inputs["input_ids"], inputs["attention_mask"]
+    labels = torch.tensor([0, 1, 0, 1])
+    for order, encoded in (([2, 0, 2, 2], [2]), ([0, 2, 0, 0], []), ([1, 2, 3, 1], [2])):
+        calls.clear()
+        batch = {**inputs, "input_ids": ids[order], "attention_mask": mask[order], "labels": labels}
+        torch.manual_seed(0)
+        cached_out = model(**batch)
+        assert calls == encoded, order
+        torch.manual_seed(0)
+        plain_out = uncached(**batch)
+        torch.testing.assert_close(cached_out.logits, plain_out.logits, atol=1e-5, rtol=1e-4)
+        cached_out.loss.backward()
+        plain_out.loss.backward()
+        for (name, a), b in zip(model.named_parameters(), uncached.parameters()):
+            if a.requires_grad:
+                torch.testing.assert_close(a.grad, b.grad, atol=1e-5, rtol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
+    assert model.mm_fusion.text_cache.found == 3 and model.mm_fusion.text_cache.looked_up == 7
+
+
+def test_frozen_text_cache_follows_the_towers_weights_and_steps_aside(tester):
+    """New weights (loaded in place) empty the cache; a trainable tower, attentions or hidden states asked for, and
+    texts that seldom repeat run the tower itself."""
+    model, calls = _frozen_text_model(tester, "hierarchical")
+    model.eval()
+    inputs = tester.inputs(batch_size=2)
+    text_model = model.mm_fusion.text_model
+    with torch.no_grad():
+        before = model(**inputs).logits
+        changed = {
+            name: value + 0.05 * torch.randn_like(value) if value.is_floating_point() else value
+            for name, value in text_model.state_dict().items()
+        }
+        text_model.load_state_dict(changed)
+        after = model(**inputs).logits
+        model.mm_fusion.text_cache.enabled = False
+        expected = model(**inputs).logits
+        model.mm_fusion.text_cache.enabled = True
+    assert calls == [2, 2, 2] and not torch.allclose(before, after)
+    torch.testing.assert_close(after, expected)
+
+    calls.clear()
+    with torch.no_grad():
+        model(**inputs)  # kept
+        model(**inputs, output_attentions=True)
+        model(**inputs, output_hidden_states=True)
+        text_model.requires_grad_(True)
+        model(**inputs)
+    assert calls == [2, 2, 2]
+
+    text_model.requires_grad_(False)
+    cache = model.mm_fusion.text_cache = type(model.mm_fusion.text_cache)(probe=8)
+    calls.clear()
+    with torch.no_grad():
+        for _ in range(4):  # every text new: after 8 texts looked up, none found, the cache turns itself off
+            fresh = {**inputs, "input_ids": torch.randint(5, tester.vocab_size, inputs["input_ids"].shape)}
+            model(**fresh)
+        assert not cache.enabled and not cache.entries
+        model(**fresh)
+    assert calls == [2, 2, 2, 2, 2]
+
+
 def test_text_to_image_fusion_has_no_image_stream_and_trains(tester):
     config = tester.config("hierarchical", fusion_direction="text_to_image")
     model = MMFusionForPretraining(config)

@@ -1,5 +1,6 @@
 """scripts/train.py and mm_fusion.training: tiny end-to-end runs, Trainer features, errors, monitor, metrics."""
 
+import copy
 import datetime
 import json
 import logging
@@ -28,6 +29,7 @@ from mm_fusion.training import (
     setup_run,
     train_and_save,
 )
+from mm_fusion.training.callbacks import trainable_batch_norms
 from mm_fusion.training.model_card import cpu_name
 
 
@@ -294,7 +296,9 @@ def test_vision_batch_norm_momentum(tmp_path):
     statistics half way to each batch's (those a momentum of 1 keeps, the same seed and batch); a tower without batch
     norms, or a momentum outside (0, 1], is an error."""
     runs = {
-        m: train_resnet_model(tmp_path / m, "--vision_batch_norm_momentum", m, "--max_steps", "1")
+        m: train_resnet_model(
+            tmp_path / m, "--vision_batch_norm_momentum", m, "--max_steps", "1", "--recalibrate_batch_norms", "0"
+        )
         for m in "0.5 1".split()
     }
     trainer, before, _ = runs["0.5"]
@@ -311,6 +315,45 @@ def test_vision_batch_norm_momentum(tmp_path):
     with pytest.raises(ValueError, match="this vision tower has no batch norms"):
         setup_run(["--output_dir", str(tmp_path / "vit"), "--max_train_samples", "32", *TINY, "--vision_tower", "vit",
                    "--vision_batch_norm_momentum", "0.5"])  # fmt: skip
+
+
+def test_batch_norms_that_keep_the_last_batch_are_recalibrated_at_the_last_step(tmp_path):
+    """A tower whose batch norms keep nearly only the last batch's statistics (a momentum above 0.5, as transformers'
+    MobileNetV2 sets it) ends the run with their running statistics re-estimated through the final weights, before
+    the final evaluation and save: with every training pair in one batch, that batch's statistics. With
+    `--recalibrate_batch_norms 0` they are the last training batch's through the weights before the last update; the
+    frozen stages' are never touched, and a tower at PyTorch's usual 0.1 is not recalibrated by default."""
+    flags = ["--vision_batch_norm_momentum", "0.9", "--per_device_train_batch_size", "32",
+             "--freeze_vision_stages", "1"]  # fmt: skip
+    runs = {n: train_resnet_model(tmp_path / n, *flags, "--recalibrate_batch_norms", n) for n in ("30", "0")}
+    assert [type(c).__name__ for c in runs["30"][0].callback_handler.callbacks].count("BatchNormRecalibrationCallback")
+    trainer, before, _ = runs["30"]
+    model = trainer.model
+    trained = [n for n, m in model.named_modules() if m in trainable_batch_norms(model)]
+    frozen = [k for k in before if k.endswith("running_mean") and k.rsplit(".", 1)[0] not in trained]
+    assert trained and frozen and all(torch.equal(model.state_dict()[k], before[k]) for k in frozen)
+
+    # The statistics of the one batch through the final weights, by hand, on a copy.
+    name = trained[0]
+    inputs = []
+    copy_ = copy.deepcopy(model).train()
+    copy_.get_submodule(name).register_forward_hook(lambda module, args, output: inputs.append(args[0]))
+    with torch.no_grad():
+        copy_(**next(iter(trainer.get_train_dataloader())))
+    expected_mean, expected_var = inputs[0].mean((0, 2, 3)), inputs[0].var((0, 2, 3))
+    for n, (trainer_n, *_) in runs.items():
+        norm = trainer_n.model.get_submodule(name)
+        assert norm.momentum == 0.9
+        close = torch.allclose(norm.running_mean, expected_mean, atol=1e-5) and torch.allclose(
+            norm.running_var, expected_var, rtol=1e-4, atol=1e-6
+        )
+        assert close == (n == "30"), n
+
+    default = setup_run(["--output_dir", str(tmp_path / "default"), "--max_train_samples", "32", *TINY,
+                         "--vision_tower", "resnet", "--vision_widths", "8,16"])  # fmt: skip
+    assert "BatchNormRecalibrationCallback" not in [type(c).__name__ for c in default.callback_handler.callbacks]
+    with pytest.raises(ValueError, match="--recalibrate_batch_norms must be 0 \\(never\\) or more, got -1"):
+        parse_arguments(["--output_dir", "x", "--recalibrate_batch_norms", "-1"])
 
 
 def test_frozen_first_vision_stages_keep_their_weights_and_statistics(tmp_path):

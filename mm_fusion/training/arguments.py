@@ -194,9 +194,10 @@ class ModelArguments:
         default=None,
         metadata={
             "help": "Keep the text tower's weights as they are, as --freeze_vision_model; a frozen text tower also "
-            "encodes each distinct text of a batch once. Default: frozen when it is a pretrained tower "
-            "(--text_model_name_or_path) and --lora is off: with 1,000 Fashion-MNIST photos it took MiniLM's "
-            "composition from 0.899 to 0.908 in the same time (one seed), each step 2.4x faster "
+            "encodes each distinct text once, and keeps the encodings for later batches (the model's text_cache). "
+            "Default: frozen when it is a pretrained tower (--text_model_name_or_path) and --lora is off: with 1,000 "
+            "Fashion-MNIST photos it took MiniLM's composition from 0.899 to 0.908 in the same time (one seed), each "
+            "step 2.4x faster "
             "(scripts/benchmarks/RESULTS.md, benchmark_composition.py); --freeze_text_model False trains it."
         },
     )
@@ -494,6 +495,15 @@ class MMFusionTrainingArguments(TrainingArguments):
     early_stopping_patience: int | None = field(
         default=None, metadata={"help": "Stop after this many evaluations without improvement (keeps the best)."}
     )
+    recalibrate_batch_norms: int | None = field(
+        default=None,
+        metadata={
+            "help": "At the last step, before its evaluation and checkpoint, set the running statistics of the batch "
+            "norms that train to their average over this many training batches at the final weights (0: never). "
+            "Default: 30 when a tower's batch norms keep nearly only the last batch's statistics (a momentum above "
+            "0.5: transformers' MobileNetV2 hard-codes 0.997, EfficientNet's config 0.99), else 0."
+        },
+    )
     data_wait_warning: float = field(
         default=0.2, metadata={"help": "Warn when more than this fraction of step time waits for data."}
     )
@@ -606,6 +616,9 @@ class MMFusionTrainingArguments(TrainingArguments):
             raise ValueError("group_by_image and train_sampling_strategy=group_by_length exclude each other.")
         # TrainingArguments would fill in the evaluation loss; scripts/train.py puts the task's metric there instead.
         self.metric_for_best_model_is_default = self.metric_for_best_model is None
+        if self.recalibrate_batch_norms is not None and self.recalibrate_batch_norms < 0:
+            count = self.recalibrate_batch_norms
+            raise ValueError(f"--recalibrate_batch_norms must be 0 (never) or more, got {count}.")
         if self.early_stopping_patience is not None:
             self.load_best_model_at_end = True
             if self.save_strategy != self.eval_strategy:

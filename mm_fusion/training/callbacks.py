@@ -12,6 +12,7 @@ from typing import TextIO
 
 import datasets
 import torch
+from accelerate.utils import send_to_device
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.utils import is_in_notebook
 from transformers.utils import logging as hf_logging
@@ -245,3 +246,85 @@ class MMFusionProgressLogCallback(TrainerCallback):
         self._evaluating = False
 
     on_predict = on_evaluate
+
+
+# A batch norm whose momentum is above this keeps, in PyTorch's convention (the weight of each new batch), nearly only
+# the last batch's statistics: TensorFlow's decay (the weight of the old statistics) passed as PyTorch's momentum, as
+# transformers' MobileNetV2 (0.997), MobileNetV1 (0.9997) and EfficientNet (its config's 0.99) do.
+LAST_BATCH_MOMENTUM = 0.5
+# Training batches a recalibration averages over: 30 of 64 pairs gave a Fashion-MNIST model the same accuracy as 100.
+RECALIBRATION_BATCHES = 30
+
+
+def trainable_batch_norms(model: torch.nn.Module) -> list[torch.nn.modules.batchnorm._BatchNorm]:
+    """The batch norms whose weights train and that keep running statistics (those evaluation normalises with)."""
+    return [
+        module
+        for module in model.modules()
+        if isinstance(module, torch.nn.modules.batchnorm._BatchNorm)
+        and module.track_running_stats
+        and any(p.requires_grad for p in module.parameters(recurse=False))
+    ]
+
+
+def recalibrate_batch_norms(model: torch.nn.Module, batches, num_batches: int) -> int:
+    """
+    Set the running statistics of the model's training batch norms to their plain average over the next `num_batches`
+    of `batches` (dicts of model inputs on the model's device), the weights as they are now: forward passes in
+    training mode, without gradients. Returns the number of batches averaged over; with none (an empty loader) the
+    statistics stay as they were.
+    """
+    was_training = model.training
+    model.train()  # the model's own `train` keeps frozen towers and frozen batch norms in eval mode
+    norms = [m for m in trainable_batch_norms(model) if m.training]
+    seen = 0
+    try:
+        with torch.no_grad():
+            for batch in batches:
+                if seen == num_batches:
+                    break
+                if seen == 0:
+                    momenta = [m.momentum for m in norms]
+                    for m in norms:
+                        m.reset_running_stats()
+                        m.momentum = None  # a cumulative average
+                model(**batch)
+                seen += 1
+    finally:
+        if seen:
+            for m, momentum in zip(norms, momenta):
+                m.momentum = momentum
+        model.train(was_training)
+    return seen
+
+
+class BatchNormRecalibrationCallback(TrainerCallback):
+    """
+    At the last optimizer step, before its evaluation and checkpoint, re-estimates the running statistics of the
+    batch norms that train ([`recalibrate_batch_norms`]) over `num_batches` training batches, drawn from a fresh pass
+    of the training loader. A tower whose batch norms keep nearly only the last batch's statistics
+    ([`LAST_BATCH_MOMENTUM`]) is otherwise evaluated, saved and served with the statistics of one batch. A streamed
+    training set is not re-read: its position is part of the run's state.
+    """
+
+    def __init__(self, num_batches: int = RECALIBRATION_BATCHES):
+        self.num_batches = num_batches
+        self.done = False
+
+    def on_step_end(self, args, state, control, model=None, train_dataloader=None, **kwargs):
+        if self.done or state.global_step < state.max_steps or model is None or train_dataloader is None:
+            return
+        self.done = True
+        loader = getattr(train_dataloader, "base_dataloader", train_dataloader)  # not accelerate's stateful wrapper
+        if isinstance(loader.dataset, torch.utils.data.IterableDataset):
+            logger.info("batch norms not recalibrated: the training set is streamed")
+            return
+        device = next(model.parameters()).device
+        start = time.perf_counter()
+        seen = recalibrate_batch_norms(model, (send_to_device(b, device) for b in loader), self.num_batches)
+        if state.is_world_process_zero:
+            progress_logger.info(
+                "batch norms' running statistics re-estimated over %d training batches at the final weights (%.1f s)",
+                seen,
+                time.perf_counter() - start,
+            )

@@ -11,7 +11,14 @@ from transformers import EarlyStoppingCallback
 
 from ..cli import parse_overrides
 from .arguments import MAIN_METRICS, DataArguments, MMFusionTrainingArguments, ModelArguments
-from .callbacks import MMFusionProgressLogCallback, add_monitor
+from .callbacks import (
+    LAST_BATCH_MOMENTUM,
+    RECALIBRATION_BATCHES,
+    BatchNormRecalibrationCallback,
+    MMFusionProgressLogCallback,
+    add_monitor,
+    trainable_batch_norms,
+)
 from .data import TrainingData
 from .data_path import load_training_data
 from .launch import release_freed_memory
@@ -73,6 +80,13 @@ def build_trainer(
     add_monitor(trainer, data_wait_warning=training_args.data_wait_warning, peak_tflops=training_args.peak_tflops)
     if training_args.disable_tqdm:  # Trainer then prints the logs' metrics, but no longer where the run stands
         trainer.add_callback(MMFusionProgressLogCallback())
+    recalibration = training_args.recalibrate_batch_norms
+    if recalibration is None:
+        norms = trainable_batch_norms(model)
+        drifting = any(m.momentum is not None and m.momentum > LAST_BATCH_MOMENTUM for m in norms)
+        recalibration = RECALIBRATION_BATCHES if drifting else 0
+    if recalibration:
+        trainer.add_callback(BatchNormRecalibrationCallback(recalibration))
     if training_args.early_stopping_patience is not None:
         trainer.add_callback(EarlyStoppingCallback(early_stopping_patience=training_args.early_stopping_patience))
     # Every rank says where it stands, so a launch that started fewer processes than asked for shows at once.
