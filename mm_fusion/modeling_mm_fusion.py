@@ -1073,6 +1073,7 @@ class MMFusionModel(MMFusionPreTrainedModel):
             if not hierarchical:
                 return text_out, [text_out.last_hidden_state]
             words = self.text_model.get_input_embeddings()(input_ids) if WORDS in layers else None
+            hidden_states = hidden_states or (text_out.last_hidden_state,)  # None when the words are the only bridge
             read = type(text_out)(last_hidden_state=text_out.last_hidden_state, hidden_states=hidden_states)
             return text_out, bridge_features(read, layers, words)
         # A tower in eval mode gives a text the same output in any batch: each distinct text is encoded once.

@@ -215,11 +215,15 @@ def _frozen_text_model(tester, fusion_type: str, **kwargs):
     return model, calls
 
 
-@pytest.mark.parametrize("fusion_type", FUSION_TYPES)
-def test_frozen_text_tower_encodes_each_text_once_across_batches(tester, fusion_type):
+@pytest.mark.parametrize(
+    "fusion_type, bridges",
+    [*((t, None) for t in FUSION_TYPES), ("hierarchical", ["words", 2]), ("hierarchical", ["words", "words"])],
+)
+def test_frozen_text_tower_encodes_each_text_once_across_batches(tester, fusion_type, bridges):
     """A frozen text tower keeps what it gave each text: a later batch runs it on its new texts only, and every batch's
-    logits and gradients equal those of the tower run on the whole batch."""
-    config_kwargs = {"text_bridge_layers": ["words", 2]} if fusion_type == "hierarchical" else {}
+    logits and gradients equal those of the tower run on the whole batch (hierarchical fusion reading the tower's
+    layers, its word embeddings, or both)."""
+    config_kwargs = {"text_bridge_layers": bridges} if bridges else {}
     model, calls = _frozen_text_model(tester, fusion_type, **config_kwargs)
     assert not model.mm_fusion.text_model.training  # a frozen tower stays in eval mode: no dropout
     uncached = copy.deepcopy(model)
