@@ -482,7 +482,8 @@ class FrozenTextCache:
         if self.looked_up >= self.probe and self.found * 2 < self.looked_up:
             self.enabled = False
             self.clear()
-        return self.output_type(last_hidden_state=last, pooler_output=pooled), hidden
+        fields = {"last_hidden_state": last} | ({"pooler_output": pooled} if pooled is not None else {})
+        return self.output_type(**fields), hidden  # some towers' outputs have no pooler_output
 
     def _add(self, tower, rows, keys, input_ids, attention_mask, token_type_ids, layers):
         rows = torch.tensor(rows, device=input_ids.device)
