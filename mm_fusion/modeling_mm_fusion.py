@@ -1071,32 +1071,31 @@ class MMFusionModel(MMFusionPreTrainedModel):
             text_out, hidden_states = self.text_cache.encode(
                 self.text_model, input_ids, attention_mask, token_type_ids, [i for i in layers if i != WORDS]
             )
-            if not hierarchical:
-                return text_out, [text_out.last_hidden_state]
-            words = self.text_model.get_input_embeddings()(input_ids) if WORDS in layers else None
-            hidden_states = hidden_states or (text_out.last_hidden_state,)  # None when the words are the only bridge
             read = type(text_out)(last_hidden_state=text_out.last_hidden_state, hidden_states=hidden_states)
-            return text_out, bridge_features(read, layers, words)
-        # A tower in eval mode gives a text the same output in any batch: each distinct text is encoded once.
-        rows, inverse = (
-            distinct_rows(input_ids, attention_mask, token_type_ids) if not self.text_model.training else (None, None)
-        )
-        take = (lambda t: t) if rows is None else (lambda t: t[rows] if t is not None else None)
-        text_kwargs = {"token_type_ids": take(token_type_ids)} if token_type_ids is not None else {}
-        text_out = self.text_model(
-            input_ids=take(input_ids),
-            attention_mask=take(attention_mask),
-            output_attentions=output_attentions,
-            output_hidden_states=hierarchical or output_hidden_states,
-            return_dict=True,
-            **text_kwargs,
-        )
-        if rows is not None:
-            text_out = type(text_out)(**{key: index_rows(value, inverse) for key, value in text_out.items()})
+        else:
+            # A tower in eval mode gives a text the same output in any batch: each distinct text is encoded once.
+            rows, inverse = (
+                distinct_rows(input_ids, attention_mask, token_type_ids)
+                if not self.text_model.training
+                else (None, None)
+            )
+            take = (lambda t: t) if rows is None else (lambda t: t[rows] if t is not None else None)
+            text_kwargs = {"token_type_ids": take(token_type_ids)} if token_type_ids is not None else {}
+            text_out = self.text_model(
+                input_ids=take(input_ids),
+                attention_mask=take(attention_mask),
+                output_attentions=output_attentions,
+                output_hidden_states=hierarchical or output_hidden_states,
+                return_dict=True,
+                **text_kwargs,
+            )
+            if rows is not None:
+                text_out = type(text_out)(**{key: index_rows(value, inverse) for key, value in text_out.items()})
+            read = text_out
         if not hierarchical:
             return text_out, [text_out.last_hidden_state]
         words = self.text_model.get_input_embeddings()(input_ids) if WORDS in layers else None
-        return text_out, bridge_features(text_out, layers, words)
+        return text_out, bridge_features(read, layers, words)
 
     def encode(
         self,

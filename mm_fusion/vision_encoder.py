@@ -49,9 +49,9 @@ def bridge_features(
     tower_out: ModelOutput, layers: list[int | str], words: torch.Tensor | None = None
 ) -> list[torch.Tensor]:
     """Tower hidden states at the bridge layers (the last read after the tower's final norm); `words`, the word
-    embeddings, where a text bridge is `"words"`."""
+    embeddings, where a text bridge is `"words"` (the hidden states may then be absent)."""
     hidden_states = tower_out.hidden_states
-    last = len(hidden_states) - 1
+    last = len(hidden_states) - 1 if hidden_states is not None else None
     return [
         words if i == WORDS else sequence(tower_out.last_hidden_state if i == last else hidden_states[i])
         for i in layers
